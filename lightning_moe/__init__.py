@@ -1,0 +1,10 @@
+"""lightning_moe: Megatron-Core-class Mixture-of-Experts training for PyTorch Lightning.
+
+The core (``layers``, ``parallel``, ...) never imports ``lightning``; the Lightning adapters live
+in ``lightning_moe.strategies``, ``callbacks`` and ``plugins``.
+"""
+
+from lightning_moe.layers.config import MoEConfig
+
+__all__ = ["MoEConfig"]
+__version__ = "0.1.0.dev0"

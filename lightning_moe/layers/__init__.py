@@ -1,0 +1,1 @@
+"""Single-device MoE building blocks: no process groups, no collectives, no lightning."""

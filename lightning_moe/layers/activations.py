@@ -1,0 +1,85 @@
+"""Expert activation functions, shared by routed and shared experts.
+
+Gated activations (``swiglu``) take an fc1 output of width ``2F`` laid out as the ``F`` gate
+columns followed by the ``F`` up columns, and return width ``F``. Plain activations map ``F``
+to ``F``. The layout is part of the public state-dict format (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["ACTIVATIONS", "activation_backward", "activation_fn", "is_gated"]
+
+
+def _swiglu(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _squared_relu(x: Tensor) -> Tensor:
+    return torch.square(F.relu(x))
+
+
+def _gelu(x: Tensor) -> Tensor:
+    return F.gelu(x)
+
+
+def _relu(x: Tensor) -> Tensor:
+    return F.relu(x)
+
+
+#: name -> (function, gated). Gated functions halve the last dimension.
+ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], bool]] = {
+    "swiglu": (_swiglu, True),
+    "gelu": (_gelu, False),
+    "relu": (_relu, False),
+    "squared_relu": (_squared_relu, False),
+}
+
+
+def _lookup(name: str) -> tuple[Callable[[Tensor], Tensor], bool]:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"Unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}."
+        ) from None
+
+
+def activation_fn(name: str) -> Callable[[Tensor], Tensor]:
+    """The activation function called ``name`` (see :data:`ACTIVATIONS`)."""
+    return _lookup(name)[0]
+
+
+def is_gated(name: str) -> bool:
+    """True when ``name`` is a gated activation whose fc1 output is ``[gate ; up]``."""
+    return _lookup(name)[1]
+
+
+def activation_backward(name: str, h: Tensor, grad_out: Tensor) -> Tensor:
+    """Gradient of ``activation_fn(name)`` at ``h`` given the output gradient ``grad_out``.
+
+    Written out by hand so expert kernels can recompute it chunk by chunk, in cache, without
+    building an autograd graph per expert.
+    """
+    _lookup(name)
+    if name == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_up = grad_out * silu
+        grad_gate = grad_out * up * sig * (1 + gate * (1 - sig))
+        return torch.cat([grad_gate, grad_up], dim=-1)
+    if name == "relu":
+        return grad_out * (h > 0)
+    if name == "squared_relu":
+        return grad_out * 2 * F.relu(h)
+    # gelu (erf form): d/dh [h * Phi(h)] = Phi(h) + h * phi(h)
+    cdf = 0.5 * (1 + torch.erf(h * 0.7071067811865476))
+    pdf = torch.exp(-0.5 * h * h) * 0.3989422804014327
+    return grad_out * (cdf + h * pdf)
