@@ -1,0 +1,1 @@
+"""Shared test utilities (importable as ``helpers`` because ``tests/`` is on ``sys.path``)."""

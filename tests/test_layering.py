@@ -1,0 +1,122 @@
+"""Enforce the package layering of DESIGN.md section 1 by reading the source, not by convention.
+
+The core subpackages must work without Lightning (plain torchrun scripts use them), and
+``layers/`` holds single-device code only: collectives belong in ``parallel/``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = REPO_ROOT / "lightning_moe"
+CORE_SUBPACKAGES = ("layers", "parallel", "memory", "graphs", "precision", "metrics", "models", "data")
+LIGHTNING_MODULES = ("lightning", "pytorch_lightning")
+
+
+def _existing_core_dirs() -> list[Path]:
+    return [PACKAGE_DIR / name for name in CORE_SUBPACKAGES if (PACKAGE_DIR / name).is_dir()]
+
+
+def _python_files(directories: list[Path]) -> list[Path]:
+    return sorted(path for directory in directories for path in directory.rglob("*.py"))
+
+
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _where(path: Path, node: ast.AST) -> str:
+    return f"{path.relative_to(REPO_ROOT)}:{node.lineno}"
+
+
+def _imported_modules(node: ast.AST) -> list[str]:
+    """Absolute module names an import statement brings in (relative imports stay in the package)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        # `from torch import distributed` imports torch.distributed, so list the submodule form too.
+        return [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return []
+
+
+def _is_within(module: str, package: str) -> bool:
+    # Compare whole dotted components: `lightning_moe` is not inside `lightning`.
+    return module == package or module.startswith(package + ".")
+
+
+def test_core_subpackages_exist():
+    # Guard against the scans below passing vacuously because the package moved.
+    assert _python_files([PACKAGE_DIR / "layers"]), f"no Python files under {PACKAGE_DIR / 'layers'}"
+
+
+def _first_import_within(node: ast.AST, packages: tuple[str, ...]) -> str | None:
+    """The first module ``node`` imports from any of ``packages``, or None (one report per statement)."""
+    return next(
+        (module for module in _imported_modules(node) if any(_is_within(module, p) for p in packages)), None
+    )
+
+
+def test_core_subpackages_do_not_import_lightning():
+    offenders = [
+        f"{_where(path, node)}: imports {module}"
+        for path in _python_files(_existing_core_dirs())
+        for node in ast.walk(_parse(path))
+        if (module := _first_import_within(node, LIGHTNING_MODULES)) is not None
+    ]
+    allowed = "strategies/, callbacks/, plugins/, lit/ and cli.py"
+    assert not offenders, f"Lightning may only be imported by {allowed}:\n" + "\n".join(offenders)
+
+
+def _distributed_uses(tree: ast.Module) -> list[tuple[ast.AST, str]]:
+    uses = []
+    for node in ast.walk(tree):
+        if (module := _first_import_within(node, ("torch.distributed",))) is not None:
+            uses.append((node, f"imports {module}"))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "torch" and node.attr == "distributed":
+                uses.append((node, "uses torch.distributed"))
+            elif node.value.id == "dist":
+                uses.append((node, f"uses dist.{node.attr}"))
+    return uses
+
+
+def test_layers_do_not_use_torch_distributed():
+    offenders = [
+        f"{_where(path, node)}: {what}"
+        for path in _python_files([PACKAGE_DIR / "layers"])
+        for node, what in _distributed_uses(_parse(path))
+    ]
+    assert not offenders, "layers/ is single-device code; move collectives to parallel/:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_importing_the_core_does_not_import_lightning():
+    modules = ["lightning_moe"] + [f"lightning_moe.{path.name}" for path in _existing_core_dirs()]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {LIGHTNING_MODULES!r}))\n"
+    )
+    # A fresh interpreter, because this test process may already have imported Lightning; the
+    # checkout under test goes first on the path.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    if result.returncode != 0:
+        pytest.fail(f"importing {modules} failed:\n{result.stderr}")
+    assert result.stdout.strip() == "[]", (
+        f"importing {modules} loaded Lightning modules: {result.stdout.strip()}"
+    )
