@@ -178,6 +178,11 @@ class MoEConfig:
             raise ValueError(
                 f"group_top_k={self.group_top_k} must be between 1 and num_groups={self.num_groups}."
             )
+        if self.group_top_k > self.top_k:
+            raise ValueError(
+                f"group_top_k={self.group_top_k} exceeds top_k={self.top_k}: each selected group is scored "
+                f"by its top top_k // group_top_k = 0 experts. Use group_top_k <= top_k."
+            )
         reachable = self.group_top_k * (self.num_experts // self.num_groups)
         if self.top_k > reachable:
             raise ValueError(
