@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["pad_routing_map", "permute", "tokens_per_expert", "unpermute"]
+__all__ = ["expert_order", "pad_routing_map", "permute", "tokens_per_expert", "unpermute"]
 
 
 def _check_routing_map(routing_map: Tensor) -> None:
@@ -87,6 +87,22 @@ def permute(
         the group sizes (dropless) and every group has ``capacity`` rows (drop-and-pad).
     """
     _check_permute_inputs(tokens, routing_map, probs, num_out_tokens)
+    sorted_indices, permuted_probs = expert_order(routing_map, probs, num_out_tokens, drop_and_pad)
+    permuted_tokens = tokens.index_select(0, sorted_indices)
+    return permuted_tokens, permuted_probs, sorted_indices
+
+
+def expert_order(
+    routing_map: Tensor,
+    probs: Tensor | None = None,
+    num_out_tokens: int | None = None,
+    drop_and_pad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The row order of :func:`permute` without gathering the tokens: ``(sorted_indices, permuted_probs)``.
+
+    Expert kernels that gather rows themselves (a fused permute) need only these. Arguments and
+    synchronisation rules are those of :func:`permute`.
+    """
     num_tokens, num_experts = routing_map.shape
     # Expert-major view [E, T]; int8 because sorting bool is not supported on every backend.
     expert_major_map = routing_map.T.to(torch.int8)
@@ -118,8 +134,7 @@ def permute(
         sorted_indices = flat_positions % num_tokens if num_tokens else flat_positions
         permuted_probs = None if probs is None else probs.T.reshape(-1).index_select(0, flat_positions)
 
-    permuted_tokens = tokens.index_select(0, sorted_indices)
-    return permuted_tokens, permuted_probs, sorted_indices
+    return sorted_indices, permuted_probs
 
 
 def unpermute(

@@ -1,0 +1,187 @@
+"""The expert MLP math, expert by expert, with a hand-written backward.
+
+Every expert ``e`` maps its rows ``x_e`` to ``y_e = (act(x_e W1_e^T) * p_e) W2_e^T (+ p_e b2_e)``:
+the routing probability ``p`` multiplies the activation output, before fc2 (Megatron Core's
+order, so the combine is a plain sum).
+
+Why a custom autograd function rather than ``grouped_mm`` under autograd:
+
+* On CPU ``grouped_mm`` is a loop of ``mm`` calls anyway; looping here lets the activation, its
+  backward and the probability products run on one expert's chunk while it is in cache, instead
+  of streaming ``[N, F]`` intermediates through memory (the reason Megatron's sequential experts
+  beat whole-tensor grouped GEMMs on CPU at large sizes).
+* The optional ``row_index`` fuses the permutation into the kernel: rows are gathered from the
+  unpermuted tokens and the outputs scatter-added back, one expert at a time, so the ``[N, H]``
+  permuted copies of the tokens and of the outputs are never built (forward or backward).
+* Weight gradients are written straight into one ``[E, out, in]`` tensor, never per-expert
+  indexing of a stacked parameter under autograd (which zero-fills a full-size gradient per
+  expert).
+
+On CUDA the per-expert loop is kept for correctness; the grouped GEMM path in
+:mod:`lightning_moe.layers.experts` is chosen there instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_moe.layers.activations import activation_backward, activation_fn
+
+__all__ = ["ExpertMLPFunction", "expert_mlp", "reference_expert_mlp"]
+
+
+def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    # CPUs without bf16 units run bf16 GEMMs ~28x slower than fp32: compute each GEMM in fp32.
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
+class ExpertMLPFunction(torch.autograd.Function):
+    """Autograd function behind :func:`expert_mlp`; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, fc1, fc2, fc2_bias, probs, counts, row_index, num_out_rows, activation, save_act):
+        act = activation_fn(activation)
+        cdt = _compute_dtype(x.dtype, x.device)
+        n_rows = sum(counts)
+        out_rows = n_rows if row_index is None else num_out_rows
+        out = torch.zeros(out_rows, fc2.shape[1], dtype=cdt, device=x.device)
+        fc1_out = x.new_empty(n_rows, fc1.shape[1], dtype=cdt)
+        act_out = x.new_empty(n_rows, fc2.shape[2], dtype=cdt) if save_act else None
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = slice(start, start + n)
+            x_e = x[rows] if row_index is None else x.index_select(0, row_index[rows])
+            h = torch.mm(x_e.to(cdt), fc1[e].to(cdt).t(), out=fc1_out[rows])
+            z = act(h)
+            if save_act:
+                act_out[rows] = z
+            p = probs[rows].unsqueeze(-1)
+            y = torch.mm((z * p).to(cdt), fc2[e].to(cdt).t())
+            if fc2_bias is not None:
+                y += p.to(cdt) * fc2_bias[e].to(cdt)
+            if row_index is None:
+                out[rows] = y
+            else:
+                out.index_add_(0, row_index[rows], y)
+            start += n
+        ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, fc1_out, act_out)
+        ctx.counts, ctx.activation = counts, activation
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, fc1, fc2, fc2_bias, probs, row_index, fc1_out, act_out = ctx.saved_tensors
+        act = activation_fn(ctx.activation)
+        cdt = fc1_out.dtype
+        grad_out = grad_out.to(cdt)
+        need_x, need_w1, need_w2, need_b, need_p = ctx.needs_input_grad[:5]
+        grad_x = torch.zeros(x.shape, dtype=cdt, device=x.device) if need_x else None
+        # Weight gradients are written expert by expert; only experts without rows need zeros.
+        grad_fc1 = torch.empty(fc1.shape, dtype=cdt, device=fc1.device) if need_w1 else None
+        grad_fc2 = torch.empty(fc2.shape, dtype=cdt, device=fc2.device) if need_w2 else None
+        grad_b = torch.zeros(fc2_bias.shape, dtype=cdt, device=x.device) if need_b else None
+        grad_p = torch.zeros(probs.shape, dtype=probs.dtype, device=x.device) if need_p else None
+        start = 0
+        for e, n in enumerate(ctx.counts):
+            if n == 0:
+                for grad in (grad_fc1, grad_fc2, grad_b):
+                    if grad is not None:
+                        grad[e].zero_()
+                continue
+            rows = slice(start, start + n)
+            start += n
+            dy = grad_out[rows] if row_index is None else grad_out.index_select(0, row_index[rows])
+            h = fc1_out[rows]
+            z = act(h) if act_out is None else act_out[rows]
+            p = probs[rows].unsqueeze(-1)
+            w2 = fc2[e].to(cdt)
+            if need_w2:
+                torch.mm(dy.t(), (z * p).to(cdt), out=grad_fc2[e])
+            if need_b:
+                grad_b[e] = (dy * p.to(cdt)).sum(0)
+            da = torch.mm(dy, w2)
+            if need_p:
+                dp = (da * z).sum(-1)
+                if fc2_bias is not None:
+                    dp += dy @ fc2_bias[e].to(cdt)
+                grad_p[rows] = dp.to(probs.dtype)
+            if not (need_x or need_w1):
+                continue
+            dh = activation_backward(ctx.activation, h, (da * p).to(cdt))
+            if need_w1:
+                x_e = x[rows] if row_index is None else x.index_select(0, row_index[rows])
+                torch.mm(dh.t(), x_e.to(cdt), out=grad_fc1[e])
+            if need_x:
+                dx = torch.mm(dh, fc1[e].to(cdt))
+                if row_index is None:
+                    grad_x[rows] = dx
+                else:
+                    grad_x.index_add_(0, row_index[rows], dx)
+
+        def cast(grad, like):
+            return None if grad is None else grad.to(like.dtype)
+
+        return (
+            cast(grad_x, x), cast(grad_fc1, fc1), cast(grad_fc2, fc2),
+            cast(grad_b, fc2_bias) if fc2_bias is not None else None, grad_p,
+            None, None, None, None, None,
+        )
+
+
+def expert_mlp(
+    x: Tensor,
+    fc1: Tensor,
+    fc2: Tensor,
+    probs: Tensor,
+    counts: list[int],
+    activation: str = "swiglu",
+    fc2_bias: Tensor | None = None,
+    row_index: Tensor | None = None,
+    num_out_rows: int | None = None,
+    save_activation: bool = True,
+) -> Tensor:
+    """Run every expert on its rows; probs multiply the activation output before fc2.
+
+    Args:
+        x: ``[N, H]`` rows already in expert-major order, or (with ``row_index``) the ``[T, H]``
+            unpermuted tokens to gather from.
+        fc1: ``[E, F1, H]`` (``F1 = 2F`` for gated activations, gate rows first).
+        fc2: ``[E, H, F]``.
+        probs: ``[N]`` routing probability of each row (expert-major order).
+        counts: rows per expert, a host list summing to ``N``.
+        row_index: ``[N]`` token index of each expert-major row; the output is then the
+            ``[num_out_rows, H]`` scatter-add of the rows (a fused permute/unpermute).
+        save_activation: keep the activation output for backward (faster); False recomputes
+            it from the saved fc1 output (saves ``N x F`` elements, Megatron's ``moe_act``
+            recompute).
+
+    Returns:
+        ``[N, H]`` expert outputs in row order, or ``[num_out_rows, H]`` combined per token.
+    """
+    if len(counts) != fc1.shape[0]:
+        raise ValueError(f"counts has {len(counts)} entries for {fc1.shape[0]} experts.")
+    if row_index is not None and num_out_rows is None:
+        raise ValueError("row_index needs num_out_rows, the number of tokens to combine into.")
+    return ExpertMLPFunction.apply(
+        x, fc1, fc2, fc2_bias, probs, list(counts), row_index, num_out_rows, activation, save_activation
+    )
+
+
+def reference_expert_mlp(x, fc1, fc2, probs, counts, activation="swiglu", fc2_bias=None):
+    """Plain autograd loop over experts: the oracle for :func:`expert_mlp` and the grouped path."""
+    act = activation_fn(activation)
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        rows = slice(start, start + n)
+        p = probs[rows].unsqueeze(-1)
+        y = (act(x[rows] @ fc1[e].t()) * p).to(x.dtype) @ fc2[e].t()
+        if fc2_bias is not None:
+            y = y + p * fc2_bias[e]
+        outs.append(y.to(x.dtype))
+        start += n
+    return torch.cat(outs) if outs else x.new_zeros(0, fc2.shape[1])
