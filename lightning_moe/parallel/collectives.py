@@ -1,0 +1,127 @@
+"""Differentiable collectives with uneven sizes, as the token dispatchers need them.
+
+Each forward collective has its adjoint as backward:
+
+* ``all_to_all`` with splits ``(out, in)`` -> backward is the all-to-all with the splits swapped;
+* ``all_gather_v`` (rank ``r`` contributes ``sizes[r]`` rows) -> backward ``reduce_scatter_v``;
+* ``reduce_scatter_v`` (every rank holds all ``sum(sizes)`` rows, rank ``r`` keeps the sum of its
+  ``sizes[r]`` rows) -> backward ``all_gather_v``.
+
+Uneven gathers and reduce-scatters go through ``all_to_all_single`` (which gloo and NCCL both
+support with uneven splits); equal sizes use the dedicated flat all-gather / reduce-scatter. Sizes are host lists: the caller has already paid the one
+device-to-host read a dropless dispatch needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["all_gather_v", "all_to_all", "gather_sizes", "reduce_scatter_v"]
+
+# torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+def _all_gather_v(x: Tensor, sizes: list[int], group) -> Tensor:
+    world, _ = _world(group)
+    if world == 1:
+        return x
+    if len(set(sizes)) == 1:
+        out = x.new_empty((sum(sizes), *x.shape[1:]))
+        _all_gather_flat(out, x.contiguous(), group=group)
+        return out
+    # Send our rows to every rank; receive each rank's rows.
+    return _all_to_all(x.repeat((world,) + (1,) * (x.dim() - 1)), sizes, [x.shape[0]] * world, group)
+
+
+def _reduce_scatter_v(x: Tensor, sizes: list[int], group) -> Tensor:
+    world, rank = _world(group)
+    if world == 1:
+        return x
+    if len(set(sizes)) == 1:
+        out = x.new_empty((sizes[rank], *x.shape[1:]))
+        _reduce_scatter_flat(out, x.contiguous(), group=group)
+        return out
+    # Rank j receives every rank's copy of its own rows and sums them.
+    received = _all_to_all(x, [sizes[rank]] * world, sizes, group)
+    return received.view(world, sizes[rank], *x.shape[1:]).sum(0)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+class _AllGatherV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _all_gather_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_v(grad, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_v(grad, ctx.sizes, ctx.group), None, None
+
+
+def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
+    """Differentiable ``all_to_all_single`` over dim 0: send ``input_splits[r]`` rows to rank r,
+    receive ``output_splits[r]`` rows from rank r."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
+
+
+def all_gather_v(x: Tensor, sizes: list[int], group) -> Tensor:
+    """Differentiable concatenation over ranks of each rank's ``sizes[r]`` rows (rank order)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllGatherV.apply(x, list(sizes), group)
+
+
+def reduce_scatter_v(x: Tensor, sizes: list[int], group) -> Tensor:
+    """Differentiable sum over ranks of ``x`` (``sum(sizes)`` rows), rank r keeping its ``sizes[r]`` rows."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _ReduceScatterV.apply(x, list(sizes), group)
+
+
+def gather_sizes(local: Tensor, group) -> Tensor:
+    """All-gather a small integer tensor from every rank: ``[world, *local.shape]`` on the device."""
+    world, _ = _world(group)
+    if world == 1:
+        return local.unsqueeze(0)
+    # Gathered flat (gloo wants the output to be world x the input's shape along dim 0).
+    out = local.new_empty(world * local.numel())
+    _all_gather_flat(out, local.reshape(-1).contiguous(), group=group)
+    return out.view(world, *local.shape)

@@ -1,0 +1,46 @@
+"""Per-dispatcher accounting of what crossed the wire, readable by metrics and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["DispatchStats"]
+
+
+@dataclass
+class DispatchStats:
+    """Counters a dispatcher adds to on every forward dispatch/combine; read and reset by consumers.
+
+    Bytes count only what leaves this rank for another rank (rows a rank keeps for itself are not
+    sent), forward direction only: the backward moves the same amounts in reverse. Host integers,
+    known without a device synchronisation (the split sizes are on the host already).
+    ``tokens_dropped`` is a device tensor (capacity dropping), counted once per micro-batch.
+    """
+
+    dispatch_bytes: int = 0
+    """Payload bytes this rank sent while dispatching (token rows and their probabilities)."""
+    combine_bytes: int = 0
+    """Payload bytes this rank sent while combining (expert output rows)."""
+    rows_sent: int = 0
+    """Token rows this rank sent to other ranks while dispatching."""
+    dispatches: int = 0
+    """Forward dispatches counted."""
+    tokens_dropped: Tensor | None = None
+    """(token, expert) assignments dropped by the capacity limit (device tensor), or None."""
+
+    def add_dropped(self, dropped: Tensor) -> None:
+        """Accumulate dropped assignments without a host read."""
+        dropped = dropped.detach().to(torch.int64)
+        self.tokens_dropped = dropped if self.tokens_dropped is None else self.tokens_dropped + dropped
+
+    def reset(self) -> DispatchStats:
+        """Return a copy of the counters and zero them."""
+        snapshot = DispatchStats(
+            self.dispatch_bytes, self.combine_bytes, self.rows_sent, self.dispatches, self.tokens_dropped
+        )
+        self.dispatch_bytes = self.combine_bytes = self.rows_sent = self.dispatches = 0
+        self.tokens_dropped = None
+        return snapshot

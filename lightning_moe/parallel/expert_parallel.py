@@ -1,0 +1,220 @@
+"""`apply_expert_parallel`: shard every MoELayer's experts over EP (and ETP) and bind a dispatcher.
+
+After it runs, each rank holds the experts ``[ep_rank * nle, (ep_rank + 1) * nle)`` of every MoE
+layer, each cut to its expert-tensor-parallel block of the F dimension (fc1: its block of the gate
+rows and its block of the up rows; fc2: its column block). The parameters stay plain local
+tensors (fast kernels, any optimizer); the state dict still presents the public format of
+DESIGN.md section 2 with *global* shapes:
+
+* ``state_dict()`` wraps each expert tensor into a DTensor on the expert mesh, sharded over ``ep``
+  on the expert dimension (and over ``etp`` where the F block is contiguous; gated fc1 is gathered
+  over ETP so the gate-then-up order of the global tensor is kept), replicated over ``edp``/``pp``;
+* ``load_state_dict()`` accepts those DTensors (as filled by ``torch.distributed.checkpoint``), a
+  DTensor of any other sharding, or a plain global tensor, and keeps this rank's slice.
+
+So a checkpoint written at one EP/ETP size loads at another, and a single-file state dict of the
+one-device model loads into a sharded one. Expert parameters are tagged (:func:`is_expert_param`)
+so gradient synchronisation reduces them over the expert-data-parallel group instead of DP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_moe.layers.activations import is_gated
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.layers.router import RouterReduction
+from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.dispatchers import make_dispatcher
+
+__all__ = ["ExpertShard", "apply_expert_parallel", "expert_shard", "is_expert_param"]
+
+_SHARD_ATTR = "_lightning_moe_expert_shard"
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Where a local expert tensor sits in its global tensor; attached to expert parameters."""
+
+    global_shape: tuple[int, ...]
+    """Shape of the global tensor (all experts, full F)."""
+    expert_offset: int
+    """Global index of the first local expert (dimension 0)."""
+    ffn_dim: int | None
+    """Dimension of the F axis (1 for fc1, 2 for fc2), None when not sharded over ETP (bias)."""
+    ffn_rank: int
+    """This rank's ETP block."""
+    ffn_size: int
+    """ETP size."""
+    gated: bool
+    """fc1 of a gated activation: the F axis is ``[gate ; up]``, each half sharded separately."""
+
+
+def is_expert_param(param: Tensor) -> bool:
+    """True for parameters sharded by :func:`apply_expert_parallel` (reduced over expert-DP)."""
+    return hasattr(param, _SHARD_ATTR)
+
+
+def expert_shard(param: Tensor) -> ExpertShard | None:
+    """The :class:`ExpertShard` of an expert parameter, None for any other tensor."""
+    return getattr(param, _SHARD_ATTR, None)
+
+
+def _ffn_block(shard: ExpertShard, dim_len: int) -> list[tuple[int, int]]:
+    """(start, stop) ranges of the global F axis that this rank holds, in local order."""
+    if shard.gated:
+        half = dim_len // 2
+        step = half // shard.ffn_size
+        return [(shard.ffn_rank * step, (shard.ffn_rank + 1) * step),
+                (half + shard.ffn_rank * step, half + (shard.ffn_rank + 1) * step)]
+    step = dim_len // shard.ffn_size
+    return [(shard.ffn_rank * step, (shard.ffn_rank + 1) * step)]
+
+
+def _local_slice(full: Tensor, shard: ExpertShard, num_local: int, experts_sliced: bool = False) -> Tensor:
+    """This rank's block of a global tensor (or of a tensor already cut to the local experts)."""
+    if not experts_sliced:
+        full = full.narrow(0, shard.expert_offset, num_local)
+    if shard.ffn_dim is None or shard.ffn_size == 1:
+        return full
+    pieces = [full.narrow(shard.ffn_dim, a, b - a) for a, b in _ffn_block(shard, full.shape[shard.ffn_dim])]
+    return torch.cat(pieces, dim=shard.ffn_dim) if len(pieces) > 1 else pieces[0]
+
+
+class _ExpertStateDict:
+    """State-dict hooks of one sharded `GroupedExperts` (see the module docstring)."""
+
+    def __init__(self, ctx: ParallelContext) -> None:
+        self.mesh = ctx.expert_mesh
+        self.etp_group = ctx.group("etp")
+        self.etp_size = ctx.size("etp")
+
+    def _placements(self, shard: ExpertShard) -> tuple[list, bool]:
+        """DTensor placements over (pp, edp, ep, etp), and whether ETP blocks must be gathered."""
+        if shard.ffn_dim is None or self.etp_size == 1:
+            return [Replicate(), Replicate(), Shard(0), Replicate()], False
+        if shard.gated:
+            return [Replicate(), Replicate(), Shard(0), Replicate()], True
+        return [Replicate(), Replicate(), Shard(0), Shard(shard.ffn_dim)], False
+
+    def _gather_gated(self, local: Tensor, shard: ExpertShard) -> Tensor:
+        """All ETP blocks of a gated fc1, reassembled as ``[all gate rows ; all up rows]``."""
+        blocks = [torch.empty_like(local) for _ in range(self.etp_size)]
+        dist.all_gather(blocks, local.contiguous(), group=self.etp_group)
+        gates, ups = zip(*(b.chunk(2, dim=shard.ffn_dim) for b in blocks))
+        return torch.cat([*gates, *ups], dim=shard.ffn_dim)
+
+    def save(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            shard = expert_shard(param)
+            key = prefix + name
+            if shard is None or key not in state_dict:
+                continue
+            placements, gather = self._placements(shard)
+            local = state_dict[key]
+            if gather:
+                local = self._gather_gated(local.detach(), shard)
+            state_dict[key] = DTensor.from_local(
+                local, self.mesh, placements, run_check=False, shape=torch.Size(shard.global_shape),
+                stride=torch.empty(shard.global_shape, device="meta").stride(),
+            )
+
+    def load(self, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            shard = expert_shard(param)
+            key = prefix + name
+            if shard is None or key not in state_dict:
+                continue
+            value = state_dict[key]
+            if isinstance(value, DTensor):
+                placements, gathered = self._placements(shard)
+                if value.device_mesh == self.mesh and list(value.placements) == placements:
+                    # Our own layout (e.g. filled in place by torch.distributed.checkpoint).
+                    local = value.to_local()
+                    if gathered:
+                        local = _local_slice(local, shard, param.shape[0], experts_sliced=True)
+                    state_dict[key] = local
+                    continue
+                value = value.full_tensor()
+            if tuple(value.shape) != shard.global_shape:
+                raise ValueError(
+                    f"{key}: expected the global shape {shard.global_shape} (all experts, full F), "
+                    f"got {tuple(value.shape)}."
+                )
+            state_dict[key] = _local_slice(value, shard, param.shape[0])
+
+
+def _group_sum(group):
+    def reduce(tensor: Tensor) -> Tensor:
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    return reduce
+
+
+def _router_reduction(ctx: ParallelContext) -> RouterReduction:
+    return RouterReduction(
+        sum_tp_cp=_group_sum(ctx.group("tp_cp")), tp_cp_size=ctx.size("tp_cp"),
+        sum_tp_dp_cp=_group_sum(ctx.group("tp_dp_cp")), tp_dp_cp_size=ctx.size("tp_dp_cp"),
+    )
+
+
+def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
+    config, experts = layer.config, layer.experts
+    ep, etp = ctx.size("ep"), ctx.size("etp")
+    ctx.dims.validate_num_experts(config.num_experts)
+    if config.ffn_hidden_size % etp:
+        raise ValueError(
+            f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by the expert tensor parallel "
+            f"size {etp}; choose an ETP size that divides it."
+        )
+    if config.fc2_bias and etp > 1:
+        raise ValueError(
+            "fc2_bias=True needs expert_tensor_parallel_size=1: every ETP shard would add the bias to "
+            f"its partial output (got ETP={etp}). Turn the bias off or use ETP=1."
+        )
+    if experts.expert_offset != 0 or experts.num_experts != config.num_experts:
+        raise RuntimeError("apply_expert_parallel was already applied to this MoELayer.")
+    nle = config.num_experts // ep
+    gated = is_gated(config.activation)
+    offset = ctx.rank_in("ep") * nle
+    specs = {
+        "fc1_weight": ExpertShard(tuple(experts.fc1_weight.shape), offset, 1, ctx.rank_in("etp"), etp, gated),
+        "fc2_weight": ExpertShard(tuple(experts.fc2_weight.shape), offset, 2, ctx.rank_in("etp"), etp, False),
+    }
+    if experts.fc2_bias is not None:
+        specs["fc2_bias"] = ExpertShard(tuple(experts.fc2_bias.shape), offset, None, 0, 1, False)
+    for name, spec in specs.items():
+        full = getattr(experts, name)
+        local = _local_slice(full.detach(), spec, nle).clone()
+        param = nn.Parameter(local, requires_grad=full.requires_grad)
+        setattr(param, _SHARD_ATTR, spec)
+        setattr(experts, name, param)
+    experts.num_experts, experts.expert_offset = nle, offset
+    experts.ffn_hidden_size //= etp
+    experts.ffn_shard = (ctx.rank_in("etp"), etp)
+    hooks = _ExpertStateDict(ctx)
+    experts._register_state_dict_hook(hooks.save)
+    experts._register_load_state_dict_pre_hook(hooks.load)
+
+
+def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, dispatcher: str = "alltoall") -> nn.Module:
+    """Shard the experts of every `MoELayer` in ``model`` over EP x ETP and bind ``dispatcher``.
+
+    Also points each router's statistics at the right groups: aux-loss counts over TP x CP and
+    global aux-loss / expert-bias counts over TP x DP x CP. Works on materialised models (the
+    local slice of each expert tensor is kept) and on meta-device models (call
+    ``MoELayer.reset_parameters()`` after ``to_empty``: each expert is drawn from its global
+    index, so the weights equal the one-device model's). Returns ``model``, modified in place.
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        _shard_experts(layer, ctx)
+        layer.router.reduction = _router_reduction(ctx)
+        layer.dispatcher = make_dispatcher(dispatcher, layer.config, ctx)
+    return model
