@@ -4,7 +4,14 @@ The core (``layers``, ``parallel``, ...) never imports ``lightning``; the Lightn
 in ``lightning_moe.strategies``, ``callbacks`` and ``plugins``.
 """
 
-from lightning_moe.layers.config import MoEConfig
+from lightning_moe.layers import (
+    GroupedExperts,
+    MoEConfig,
+    MoELayer,
+    SharedExpertMLP,
+    TopKRouter,
+    update_expert_bias,
+)
 
-__all__ = ["MoEConfig"]
+__all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "SharedExpertMLP", "TopKRouter", "update_expert_bias"]
 __version__ = "0.1.0.dev0"

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.permute import expert_order
-from lightning_moe.layers.routing import expert_capacity
+from lightning_moe.layers.routing import padded_expert_rows
 
 __all__ = ["LocalDispatchMetadata", "LocalDispatcher", "TokenDispatcher", "local_expert_counts"]
 
@@ -49,8 +49,7 @@ def local_expert_counts(routing_map: Tensor, config: MoEConfig) -> list[int]:
     """
     num_tokens, num_experts = routing_map.shape
     if config.pad_to_capacity:
-        capacity = expert_capacity(num_tokens * config.top_k, num_experts, config.capacity_factor)
-        return [capacity] * num_experts
+        return [padded_expert_rows(num_tokens, config.top_k, num_experts, config.capacity_factor)] * num_experts
     return routing_map.sum(0).tolist()
 
 

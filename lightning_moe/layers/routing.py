@@ -20,6 +20,7 @@ __all__ = [
     "apply_token_dropping",
     "expert_capacity",
     "group_limited_topk",
+    "padded_expert_rows",
     "random_logits_straight_through",
     "topk_routing",
     "update_expert_bias",
@@ -167,6 +168,15 @@ def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor={capacity_factor} must be > 0; use None for dropless routing.")
     return math.ceil((num_tokens / num_experts) * capacity_factor)
+
+
+def padded_expert_rows(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows every expert receives in drop-and-pad mode for ``num_tokens`` tokens of one rank.
+
+    The capacity of :func:`expert_capacity`, but never more than the tokens there are: a
+    capacity above ``T`` keeps every token (each expert then sees all ``T`` rows).
+    """
+    return min(expert_capacity(num_tokens * top_k, num_experts, capacity_factor), num_tokens)
 
 
 def _rank_rows_by_probs(probs: Tensor, routing_map: Tensor) -> Tensor:

@@ -71,13 +71,14 @@ class SharedExpertMLP(nn.Module):
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
         """Draw every weight from ``Normal(0, std)`` using ``generator`` (Megatron ``init_method_std``).
 
-        The draws happen in a fixed order (fc1, fc2, gate), so the same generator state always
-        gives the same weights, independent of the global RNG. The generator must live on the
-        parameters' device.
+        The draws happen in a fixed order (fc1, fc2, gate), in fp32 on the generator's device, and
+        are copied into the weights, so the same generator state gives the same weights whatever
+        the parameters' device and dtype, independent of the global RNG.
         """
         for linear in (self.fc1, self.fc2, self.gate):
             if linear is not None:
-                nn.init.normal_(linear.weight, mean=0.0, std=std, generator=generator)
+                values = torch.empty(linear.weight.shape, dtype=torch.float32, device=generator.device)
+                linear.weight.copy_(values.normal_(0.0, std, generator=generator))
 
     def extra_repr(self) -> str:
         """Show the activation and whether the output gate is on, next to the submodules."""
