@@ -32,7 +32,7 @@ from lightning_moe.layers.router import RouterReduction
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers import make_dispatcher
 
-__all__ = ["ExpertShard", "apply_expert_parallel", "expert_shard", "is_expert_param"]
+__all__ = ["ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "expert_shard", "is_expert_param"]
 
 _SHARD_ATTR = "_lightning_moe_expert_shard"
 
@@ -86,8 +86,13 @@ def _local_slice(full: Tensor, shard: ExpertShard, num_local: int, experts_slice
     return torch.cat(pieces, dim=shard.ffn_dim) if len(pieces) > 1 else pieces[0]
 
 
-class _ExpertStateDict:
-    """State-dict hooks of one sharded `GroupedExperts` (see the module docstring)."""
+class ExpertStateConverter:
+    """Converts expert tensors (parameters, optimizer moments) between local and global form.
+
+    ``to_global`` gives the DTensor of the public state-dict format (module docstring);
+    ``to_local`` takes that DTensor, another DTensor, or a plain global tensor, and returns this
+    rank's block. Used by the module's state-dict hooks and by sharded optimizer checkpoints.
+    """
 
     def __init__(self, ctx: ParallelContext) -> None:
         self.mesh = ctx.expert_mesh
@@ -109,44 +114,53 @@ class _ExpertStateDict:
         gates, ups = zip(*(b.chunk(2, dim=shard.ffn_dim) for b in blocks))
         return torch.cat([*gates, *ups], dim=shard.ffn_dim)
 
-    def save(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    def to_global(self, local: Tensor, shard: ExpertShard) -> DTensor:
+        """The global-shape DTensor whose shard on this rank is ``local``."""
+        placements, gather = self._placements(shard)
+        local = local.detach()
+        if gather:
+            local = self._gather_gated(local, shard)
+        return DTensor.from_local(
+            local, self.mesh, placements, run_check=False, shape=torch.Size(shard.global_shape),
+            stride=torch.empty(shard.global_shape, device="meta").stride(),
+        )
+
+    def to_local(self, value: Tensor, shard: ExpertShard, num_local: int, name: str = "tensor") -> Tensor:
+        """This rank's block of ``value`` (a DTensor of any layout, or a plain global tensor)."""
+        if isinstance(value, DTensor):
+            placements, gathered = self._placements(shard)
+            if value.device_mesh == self.mesh and list(value.placements) == placements:
+                # Our own layout (e.g. filled in place by torch.distributed.checkpoint).
+                local = value.to_local()
+                return _local_slice(local, shard, num_local, experts_sliced=True) if gathered else local
+            value = value.full_tensor()
+        if tuple(value.shape) != shard.global_shape:
+            raise ValueError(
+                f"{name}: expected the global shape {shard.global_shape} (all experts, full F), "
+                f"got {tuple(value.shape)}."
+            )
+        return _local_slice(value, shard, num_local)
+
+
+class _ExpertStateDictHooks:
+    """State-dict hooks of one sharded `GroupedExperts`: global DTensors out, local blocks in."""
+
+    def __init__(self, converter: ExpertStateConverter) -> None:
+        self.converter = converter
+
+    def _expert_entries(self, module: nn.Module, state_dict: dict, prefix: str):
         for name, param in module.named_parameters(recurse=False):
             shard = expert_shard(param)
-            key = prefix + name
-            if shard is None or key not in state_dict:
-                continue
-            placements, gather = self._placements(shard)
-            local = state_dict[key]
-            if gather:
-                local = self._gather_gated(local.detach(), shard)
-            state_dict[key] = DTensor.from_local(
-                local, self.mesh, placements, run_check=False, shape=torch.Size(shard.global_shape),
-                stride=torch.empty(shard.global_shape, device="meta").stride(),
-            )
+            if shard is not None and prefix + name in state_dict:
+                yield prefix + name, param, shard
+
+    def save(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+        for key, _, shard in list(self._expert_entries(module, state_dict, prefix)):
+            state_dict[key] = self.converter.to_global(state_dict[key], shard)
 
     def load(self, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-        for name, param in module.named_parameters(recurse=False):
-            shard = expert_shard(param)
-            key = prefix + name
-            if shard is None or key not in state_dict:
-                continue
-            value = state_dict[key]
-            if isinstance(value, DTensor):
-                placements, gathered = self._placements(shard)
-                if value.device_mesh == self.mesh and list(value.placements) == placements:
-                    # Our own layout (e.g. filled in place by torch.distributed.checkpoint).
-                    local = value.to_local()
-                    if gathered:
-                        local = _local_slice(local, shard, param.shape[0], experts_sliced=True)
-                    state_dict[key] = local
-                    continue
-                value = value.full_tensor()
-            if tuple(value.shape) != shard.global_shape:
-                raise ValueError(
-                    f"{key}: expected the global shape {shard.global_shape} (all experts, full F), "
-                    f"got {tuple(value.shape)}."
-                )
-            state_dict[key] = _local_slice(value, shard, param.shape[0])
+        for key, param, shard in list(self._expert_entries(module, state_dict, prefix)):
+            state_dict[key] = self.converter.to_local(state_dict[key], shard, param.shape[0], name=key)
 
 
 def _group_sum(group):
@@ -198,7 +212,7 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
     experts.num_experts, experts.expert_offset = nle, offset
     experts.ffn_hidden_size //= etp
     experts.ffn_shard = (ctx.rank_in("etp"), etp)
-    hooks = _ExpertStateDict(ctx)
+    hooks = _ExpertStateDictHooks(ExpertStateConverter(ctx))
     experts._register_state_dict_hook(hooks.save)
     experts._register_load_state_dict_pre_hook(hooks.load)
 

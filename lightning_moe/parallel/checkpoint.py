@@ -1,0 +1,180 @@
+"""Sharded checkpoints of a parallelized model and its optimizer, with global, layout-free keys.
+
+* Model: ``model.state_dict()`` already presents expert tensors as global-shape DTensors
+  (``apply_expert_parallel``'s hooks); plain tensors are replicated and saved once by DCP.
+* Optimizer: :func:`optimizer_state_dict` keys every state by parameter name (not by index) and
+  turns each expert parameter's state tensors (``exp_avg``, ``momentum_buffer``, ...) into
+  global DTensors the same way, so moments reshard with their weights. Only tensors go into the
+  shards; the param-group hyperparameters are returned separately (:func:`optimizer_param_groups`)
+  for the small metadata file.
+* Loading reads DCP's metadata with a restricted unpickler (:class:`SafeFileSystemReader`): a
+  checkpoint can carry tensors and DCP's own bookkeeping classes, never arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.optim import Optimizer
+
+from lightning_moe.parallel.expert_parallel import ExpertStateConverter, expert_shard
+
+__all__ = [
+    "SafeFileSystemReader",
+    "init_optimizer_state",
+    "load_optimizer_state_dict",
+    "optimizer_param_groups",
+    "optimizer_state_dict",
+]
+
+# Modules whose classes may appear in a DCP metadata file (dataclasses describing the shards).
+_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
+_SAFE_GLOBALS = {
+    ("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice")
+} | {
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.serialization", "_get_layout"),
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _SAFE_GLOBALS or module.startswith(_SAFE_MODULE_PREFIXES)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"Refusing to load {module}.{name} from a checkpoint's metadata: only tensors and "
+                "torch.distributed.checkpoint's own metadata classes are allowed."
+            )
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is unpickled with an allowlist (see the module docstring)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _RestrictedUnpickler(io.BytesIO(stream.read())).load()
+        # Mirror FileSystemReader.read_metadata's bookkeeping.
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _params_by_index(optimizer: Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def init_optimizer_state(optimizer: Optimizer) -> None:
+    """Create the optimizer's per-parameter state (moments) without changing any parameter.
+
+    DCP loads into existing tensors, so a fresh optimizer needs its state allocated first: one
+    step with zero gradients and a learning rate of 0.
+    """
+    if optimizer.state:
+        return
+    params = _params_by_index(optimizer)
+    saved_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            group["lr"] = lr
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, converter: ExpertStateConverter | None) -> dict:
+    """Per-parameter optimizer state keyed by parameter name; expert states as global DTensors."""
+    names = _names(model)
+    state: dict[str, dict[str, Tensor]] = {}
+    for p in _params_by_index(optimizer):
+        if p not in optimizer.state:
+            continue
+        shard = expert_shard(p)
+        entries = {}
+        for key, value in optimizer.state[p].items():
+            if not isinstance(value, Tensor):
+                value = torch.tensor(value)
+            if shard is not None and converter is not None and value.shape == p.shape:
+                value = converter.to_global(value, shard)
+            entries[key] = value
+        state[names[id(p)]] = entries
+    return state
+
+
+def optimizer_param_groups(model: nn.Module, optimizer: Optimizer) -> list[dict]:
+    """The optimizer's param groups with parameter names instead of tensors (hyperparameters only)."""
+    names = _names(model)
+    groups = []
+    for group in optimizer.param_groups:
+        entry = {k: (v.item() if isinstance(v, Tensor) and v.numel() == 1 else v) for k, v in group.items() if k != "params"}
+        entry["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(entry)
+    return groups
+
+
+def load_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: Optimizer,
+    state: dict[str, dict[str, Tensor]],
+    param_groups: list[dict] | None,
+    converter: ExpertStateConverter | None,
+) -> None:
+    """Load what :func:`optimizer_state_dict` / :func:`optimizer_param_groups` produced, at any layout."""
+    names = _names(model)
+    params = _params_by_index(optimizer)
+    torch_state = {}
+    for index, p in enumerate(params):
+        entries = state.get(names[id(p)])
+        if entries is None:
+            continue
+        shard = expert_shard(p)
+        local = {}
+        for key, value in entries.items():
+            if shard is not None and converter is not None and tuple(value.shape) == shard.global_shape:
+                value = converter.to_local(value, shard, p.shape[0], name=f"{names[id(p)]}/{key}")
+            elif hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            local[key] = value
+        torch_state[index] = local
+    groups = []
+    offset = 0
+    for i, group in enumerate(optimizer.param_groups):
+        entry = {k: v for k, v in group.items() if k != "params"}
+        if param_groups is not None:
+            saved = param_groups[i]
+            expected = [names[id(p)] for p in group["params"]]
+            if saved["params"] != expected:
+                raise ValueError(
+                    f"Optimizer param group {i} holds {len(expected)} parameters that differ from the "
+                    f"checkpoint's {len(saved['params'])}; the model or its optimizer groups changed."
+                )
+            entry.update({k: v for k, v in saved.items() if k != "params"})
+        entry["params"] = list(range(offset, offset + len(group["params"])))
+        offset += len(group["params"])
+        groups.append(entry)
+    optimizer.load_state_dict({"state": torch_state, "param_groups": groups})

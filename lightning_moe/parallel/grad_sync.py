@@ -1,0 +1,156 @@
+"""Gradient synchronisation for a folded layout: dense and expert gradients, in buckets.
+
+Every gradient is pre-scaled by ``1 / (DP * CP)`` (the dense data-parallel world) and then summed
+(reference ``megatron-core-moe.md`` section 2.11):
+
+* expert parameters (tagged by ``apply_expert_parallel``) over the expert-data-parallel group
+  ``edp``: each expert replica already summed the token gradients of its whole EP group through
+  the all-to-all, so summing over EDP covers every DP x CP data shard exactly once;
+* dense parameters over ``tp_dp_cp``: under folding every rank of a TP group routes its own
+  tokens (sequence parallel), so a parameter replicated across TP (router, norms, a replicated
+  shared expert) holds a partial gradient there too. DTensor parameters (sharded by tensor
+  parallelism, which handles its own TP reduction) are summed over ``dp_cp`` only.
+
+Reduction overlaps the backward pass: a post-accumulate-grad hook marks each parameter ready and
+a bucket is launched (asynchronously) as soon as it and every bucket before it are ready, so all
+ranks launch collectives in the same order whatever order their hooks fire in. Inside
+:meth:`GradSync.no_sync` (gradient accumulation) nothing is launched; :meth:`GradSync.finish`
+launches what is left, waits, and writes the reduced gradients back. A parameter without a
+gradient on this rank contributes zeros (and receives the sum of the others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.expert_parallel import is_expert_param
+
+__all__ = ["GradSync", "reduce_group_name"]
+
+
+def reduce_group_name(param: Tensor) -> str:
+    """The group a parameter's gradient is summed over (see the module docstring)."""
+    if is_expert_param(param):
+        return "edp"
+    return "dp_cp" if isinstance(param, DTensor) else "tp_dp_cp"
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    group_name: str
+    ready: set[int] = field(default_factory=set)
+    flat: Tensor | None = None
+    handle: object | None = None
+
+    def is_ready(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+class GradSync:
+    """Bucketed, overlapped gradient reduction of one module over the groups of a `ParallelContext`."""
+
+    def __init__(self, module: nn.Module, ctx: ParallelContext, bucket_size_mb: float = 25.0) -> None:
+        self.ctx = ctx
+        self.scale = 1.0 / (ctx.size("dp") * ctx.size("cp"))
+        self._sync_enabled = True
+        self._next_launch = 0
+        self.buckets = self._make_buckets(module, int(bucket_size_mb * 2**20))
+        self._bucket_of = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for b in self.buckets
+            for p in b.params
+        ]
+
+    def _make_buckets(self, module: nn.Module, cap_bytes: int) -> list[_Bucket]:
+        # Reverse registration order approximates the order in which backward produces gradients.
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        buckets: list[_Bucket] = []
+        open_by_group: dict[str, _Bucket] = {}
+        sizes: dict[str, int] = {}
+        for p in params:
+            name = reduce_group_name(p)
+            nbytes = _local(p).numel() * _local(p).element_size()
+            bucket = open_by_group.get(name)
+            if bucket is None or sizes[name] + nbytes > cap_bytes:
+                bucket = _Bucket([], name)
+                buckets.append(bucket)
+                open_by_group[name], sizes[name] = bucket, 0
+            bucket.params.append(p)
+            sizes[name] += nbytes
+        return buckets
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no collectives) inside this context."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    @property
+    def sync_enabled(self) -> bool:
+        """False inside :meth:`no_sync`."""
+        return self._sync_enabled
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if not self._sync_enabled:
+            return
+        i, j = self._bucket_of[id(param)]
+        self.buckets[i].ready.add(j)
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].is_ready():
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        pieces = []
+        for p in bucket.params:
+            grad = p.grad
+            pieces.append(torch.zeros(_local(p).numel(), dtype=_local(p).dtype, device=_local(p).device)
+                          if grad is None else _local(grad).reshape(-1))
+        bucket.flat = torch.cat(pieces).mul_(self.scale)
+        if self.ctx.size(bucket.group_name) > 1:
+            bucket.handle = dist.all_reduce(bucket.flat, group=self.ctx.group(bucket.group_name), async_op=True)
+
+    def finish(self) -> None:
+        """Launch the remaining buckets, wait for all of them and write the reduced gradients back."""
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+            offset = 0
+            for p in bucket.params:
+                local = _local(p)
+                reduced = bucket.flat[offset : offset + local.numel()].view_as(local)
+                offset += local.numel()
+                if p.grad is None:
+                    p.grad = DTensor.from_local(reduced.clone(), p.device_mesh, p.placements) if isinstance(
+                        p, DTensor
+                    ) else reduced.clone()
+                else:
+                    _local(p.grad).copy_(reduced)
+            bucket.ready.clear()
+            bucket.flat = bucket.handle = None
+        self._next_launch = 0
+
+    def remove_hooks(self) -> None:
+        """Detach from the module's parameters."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()

@@ -1,0 +1,11 @@
+"""Lightning strategies. Importing this module registers ``Trainer(strategy="moe")``."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
+from lightning_moe.strategies.moe_strategy import MoEStrategy
+
+__all__ = ["ExistingProcessGroupEnvironment", "MoEStrategy"]
+
+if MoEStrategy.strategy_name not in StrategyRegistry:
+    MoEStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,66 @@
+"""A cluster environment for processes whose ``torch.distributed`` default group already exists.
+
+Test harnesses, notebooks driving their own ranks and custom launchers may initialise the
+default process group before building the Trainer. Lightning must then neither launch processes
+nor read ranks from environment variables: the group is the source of truth.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
+
+__all__ = ["ExistingProcessGroupEnvironment"]
+
+
+class ExistingProcessGroupEnvironment(ClusterEnvironment):
+    """Ranks and world size taken from the initialised default process group."""
+
+    def __init__(self, processes_per_node: int | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("ExistingProcessGroupEnvironment needs torch.distributed to be initialised first.")
+        self._per_node = processes_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        """The processes exist already: Lightning launches nothing."""
+        return True
+
+    @property
+    def main_address(self) -> str:
+        """Unused: the group is connected already."""
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        """Unused: the group is connected already."""
+        return int(os.environ.get("MASTER_PORT", 0))
+
+    @staticmethod
+    def detect() -> bool:
+        """True when a default process group exists."""
+        return dist.is_available() and dist.is_initialized()
+
+    def world_size(self) -> int:
+        """Size of the default process group."""
+        return dist.get_world_size()
+
+    def set_world_size(self, size: int) -> None:
+        """Ignored: the default process group fixes the world size."""
+
+    def global_rank(self) -> int:
+        """This process's rank in the default process group."""
+        return dist.get_rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        """Ignored: the default process group fixes the rank."""
+
+    def local_rank(self) -> int:
+        """``LOCAL_RANK`` if set, else the rank within its node."""
+        return int(os.environ.get("LOCAL_RANK", dist.get_rank() % self._per_node))
+
+    def node_rank(self) -> int:
+        """The node of this process, from the processes per node."""
+        return dist.get_rank() // self._per_node

@@ -1,0 +1,423 @@
+"""`MoEStrategy`: the Lightning strategy for folded MoE parallelism.
+
+``Trainer(strategy=MoEStrategy(expert_parallel_size=4))`` takes a LightningModule written for
+one device and:
+
+* builds the folded layout once in ``setup_environment`` (attention on TP x CP x DP x PP, experts
+  on ETP x EP x EDP x PP over the same ranks) and exposes it as ``strategy.parallel_context`` and
+  a dense ``strategy.device_mesh`` (Lightning's axis names) before ``configure_model`` runs;
+* after ``configure_model`` applies :func:`~lightning_moe.parallel.parallelize` (meta-device
+  models are materialised afterwards, each expert from its global index);
+* synchronises gradients in buckets overlapped with backward (:mod:`lightning_moe.parallel.grad_sync`),
+  deferring the reduction to the last micro-batch under gradient accumulation, and clips by one
+  global norm over dense and expert shards;
+* feeds each data-parallel replica its own samples (TP/CP ranks of a replica get the same);
+* checkpoints with ``torch.distributed.checkpoint`` in Lightning's sharded directory layout, with
+  global keys, so a checkpoint saved at one expert-parallel size resumes at another.
+
+Launch with Lightning's own subprocess launcher (``python train.py`` with ``devices=N``), with
+torchrun / SLURM, or from processes that initialised ``torch.distributed`` already.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, parallelize
+from lightning_moe.parallel.dispatchers import DISPATCHERS
+from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.strategies.checkpointing import MoECheckpointing
+from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
+
+__all__ = ["MoEStrategy"]
+
+log = logging.getLogger(__name__)
+
+_LIGHTNING_MESH_NAMES = ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
+_SUPPORTED_START_METHODS = ("popen",)
+
+
+class MoEStrategy(ParallelStrategy):
+    """Folded expert / tensor / data parallelism for MoE LightningModules (registered as ``"moe"``).
+
+    Args:
+        tensor_parallel_size: TP, attention and dense layers (Megatron ``tensor_model_parallel_size``).
+        context_parallel_size: CP, sequence sharding of attention; the model shards its sequences.
+        pipeline_parallel_size: PP; only 1 is supported for now.
+        expert_parallel_size: EP, experts sharded over this many ranks (``expert_model_parallel_size``).
+        expert_tensor_parallel_size: ETP, each expert's F dimension sharded; None = TP, as Megatron.
+        dispatcher: token dispatcher, ``"alltoall"`` or ``"allgather"``.
+        order: rank order of the folded layout, ``"tp-cp-ep-dp-pp"`` or ``"tp-cp-ep-pp-dp"``.
+        bucket_size_mb: gradient reduction bucket size.
+        save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file.
+        start_method: ``"popen"`` (re-run the script per rank). Spawn/fork launchers are refused:
+            they send rank 0's local state back to the parent, which would keep one shard only.
+        process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
+        timeout: timeout of collectives.
+    """
+
+    strategy_name = "moe"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
+        dispatcher: str = "alltoall",
+        order: str = "tp-cp-ep-dp-pp",
+        bucket_size_mb: float = 25.0,
+        save_distributed_checkpoint: bool = True,
+        start_method: str = "popen",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator=None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+    ) -> None:
+        if cluster_environment is None and ExistingProcessGroupEnvironment.detect():
+            cluster_environment = ExistingProcessGroupEnvironment()
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+        )
+        if pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not supported yet; "
+                "use pipeline_parallel_size=1 (fold the ranks into data or expert parallelism instead)."
+            )
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"Unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}.")
+        if start_method not in _SUPPORTED_START_METHODS:
+            raise ValueError(
+                f"start_method={start_method!r} is not supported by MoEStrategy: Lightning's multiprocessing "
+                "launcher returns rank 0's local model state to the parent process, which would keep one "
+                "expert shard and lose the rest. Use start_method='popen' (the default: each rank re-runs "
+                "the script), or launch with torchrun / SLURM."
+            )
+        self.sizes = {
+            "tp": tensor_parallel_size, "cp": context_parallel_size, "pp": pipeline_parallel_size,
+            "ep": expert_parallel_size, "etp": expert_tensor_parallel_size,
+        }
+        self.order = order
+        self.dispatcher = dispatcher
+        self.bucket_size_mb = bucket_size_mb
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._context: ParallelContext | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self._grad_sync: GradSync | None = None
+        self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint)
+        self.num_nodes = 1
+
+    # -- layout ---------------------------------------------------------------------------------
+
+    def parallel_dims(self, world_size: int | None = None) -> ParallelDims:
+        """The folded layout for ``world_size`` ranks (default: this Trainer's world)."""
+        world = world_size if world_size is not None else self.world_size
+        try:
+            return ParallelDims(world, order=self.order, **self.sizes)
+        except ValueError as err:
+            raise ValueError(
+                f"MoEStrategy cannot fold {world} processes (devices x num_nodes = {self.num_processes} x "
+                f"{self.num_nodes}) into TP={self.sizes['tp']}, CP={self.sizes['cp']}, PP={self.sizes['pp']}, "
+                f"EP={self.sizes['ep']}, ETP={self.sizes['etp'] or self.sizes['tp']}: {err}"
+            ) from None
+
+    @property
+    def parallel_context(self) -> ParallelContext:
+        """Process groups and meshes of the folded layout (available from ``setup_environment`` on)."""
+        if self._context is None:
+            raise RuntimeError("The parallel context is built in setup_environment(); it is not available yet.")
+        return self._context
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The dense mesh with Lightning's dim names (pipeline/data/context/tensor_parallel)."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh is built in setup_environment(); it is not available yet.")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device of this process."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes (devices) per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to inject distributed samplers and honour ``sync_dist``."""
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Samples are split over the dense data-parallel replicas; TP/CP ranks share theirs."""
+        ctx = self.parallel_context
+        return {"num_replicas": ctx.size("dp"), "rank": ctx.rank_in("dp")}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the parallelized model and its optimizers."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """The strategy restores optimizer states itself (sharded)."""
+        return False
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if ExistingProcessGroupEnvironment.detect() and not isinstance(
+            self.cluster_environment, ExistingProcessGroupEnvironment
+        ):
+            self.cluster_environment = ExistingProcessGroupEnvironment(self.num_processes or None)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        """Ranks from the cluster environment; validates the folded layout against the world size."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        if self.num_processes:
+            self.parallel_dims(self.num_nodes * self.num_processes)  # fail at Trainer init, before training
+
+    def setup_environment(self) -> None:
+        """Initialise the process group (if needed) and build the parallel context once."""
+        super().setup_environment()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        if self._context is None:
+            dims = self.parallel_dims(dist.get_world_size())
+            self._context = build_parallel_context(dims, self.root_device.type)
+            dense = self._context.dense_mesh
+            self._device_mesh = DeviceMesh.from_group(
+                [dense.get_group(i) for i in range(dense.ndim)], self.root_device.type,
+                mesh=dense.mesh, mesh_dim_names=_LIGHTNING_MESH_NAMES,
+            )
+            rank_zero_info(f"MoEStrategy: {dims.describe()}, dispatcher={self.dispatcher}")
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # -- model ----------------------------------------------------------------------------------
+
+    def setup(self, trainer) -> None:
+        """Parallelize and materialise the model, set up gradient sync, optimizers and precision."""
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if not getattr(self.model, "_lightning_moe_parallelized", False):
+            parallelize(self.model, self.parallel_context, dispatcher=self.dispatcher)
+            self.model._lightning_moe_parallelized = True
+        _materialize(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._set_aux_loss_scale(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self._grad_sync is None:
+                self._grad_sync = GradSync(self.model, self.parallel_context, self.bucket_size_mb)
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+            self._patch_gradient_clipping()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self.barrier()
+
+    def _set_aux_loss_scale(self, trainer) -> None:
+        # Lightning divides the loss by the accumulation factor; the injected aux-loss gradients
+        # must follow. The CP factor undoes the 1/(DP*CP) pre-scale for losses that each CP rank
+        # holds only a share of (reference section 2.5.4).
+        accumulation = getattr(trainer, "accumulate_grad_batches", 1)
+        if not trainer.lightning_module.automatic_optimization:
+            accumulation = 1
+        scale = self.parallel_context.size("cp") / accumulation
+        for layer in self.model.modules():
+            if isinstance(layer, MoELayer):
+                layer.router.aux_loss_scale = scale
+
+    def model_to_device(self) -> None:
+        """Move every remaining parameter and buffer to this rank's device."""
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module(empty_init=True)`` builds on the meta device; materialised in setup."""
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no reduction until the last micro-batch."""
+        if self._grad_sync is None:
+            yield
+            return
+        with self._grad_sync.no_sync():
+            yield
+
+    def no_sync(self):
+        """Context manager for manual optimization: accumulate gradients without reducing them."""
+        return self.block_backward_sync()
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Finish the overlapped reduction after a backward that is not being accumulated."""
+        if self._grad_sync is not None and self._grad_sync.sync_enabled:
+            self._grad_sync.finish()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce whatever gradients are pending (manual optimization calls it before stepping
+        after accumulating under :meth:`no_sync`)."""
+        if self._grad_sync is not None:
+            self._grad_sync.finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip all gradients by their global norm over every shard; returns the norm before clipping."""
+        assert self.model is not None
+        return clip_grad_norm_(self.model.parameters(), max_norm, self.parallel_context)
+
+    def _patch_gradient_clipping(self) -> None:
+        # Lightning clips through the precision plugin with the local norm of each rank's shard;
+        # route norm clipping to the global norm instead (value clipping needs no communication).
+        plugin = self.precision_plugin
+        if getattr(plugin, "_lightning_moe_clipping", False):
+            return
+        strategy = self
+
+        def clip_grad_by_norm(optimizer, clip_val):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_grad_norm_(params, float(clip_val), strategy.parallel_context)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+        plugin._lightning_moe_clipping = True
+
+    # -- collectives ----------------------------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        """Synchronise all ranks."""
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        """Broadcast a picklable object from ``src`` over the world."""
+        if not dist.is_initialized():
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
+        """Reduce ``tensor`` over ``group`` (default: the world), e.g. for ``self.log(sync_dist=True)``."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Model state with global keys (expert tensors as global-shape DTensors)."""
+        return self.checkpointing.model_state_dict()
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name, expert moments as global DTensors."""
+        return self.checkpointing.optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Sharded directory (DCP shards + ``meta.pt``) written by every rank, or one file."""
+        if storage_options is not None:
+            raise TypeError("MoEStrategy.save_checkpoint does not take storage_options (it does not use CheckpointIO).")
+        self.checkpointing.save(checkpoint, Path(self.broadcast(str(filepath))))
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded directory (any layout) or a single file into the model and optimizers."""
+        return self.checkpointing.load(Path(self.broadcast(str(checkpoint_path))))
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        """Nothing to do: :meth:`load_checkpoint` loaded the weights in place."""
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        """Nothing to do: :meth:`load_checkpoint` loaded the optimizer states in place."""
+
+    def teardown(self) -> None:
+        """Release the accelerator and the gradient hooks; sharded models stay where they are."""
+        if self._grad_sync is not None:
+            self._grad_sync.remove_hooks()
+            self._grad_sync = None
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Register ``"moe"`` (all sizes 1; set them through the class in code or YAML)."""
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Folded expert/tensor/data parallelism for MoE models"
+        )
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give meta-device parameters storage on ``device`` and initialise them.
+
+    MoE layers re-draw every weight from their seed (experts from their global index); other
+    modules use their own ``reset_parameters()``.
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    model.to_empty(device=device)
+    covered: set[int] = set()
+    for module in model.modules():
+        if id(module) in covered:
+            continue
+        if isinstance(module, MoELayer):
+            module.reset_parameters()
+            covered.update(id(m) for m in module.modules())
+        elif callable(getattr(module, "reset_parameters", None)) and any(
+            True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+        ):
+            module.reset_parameters()
