@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter, expert_shard
@@ -157,8 +158,8 @@ def load_optimizer_state_dict(
         for key, value in entries.items():
             if shard is not None and converter is not None and tuple(value.shape) == shard.global_shape:
                 value = converter.to_local(value, shard, p.shape[0], name=f"{names[id(p)]}/{key}")
-            elif hasattr(value, "full_tensor"):
-                value = value.full_tensor()
+            elif isinstance(value, DTensor) and not isinstance(p, DTensor):
+                value = value.full_tensor()  # saved sharded, loaded into a plain parameter
             local[key] = value
         torch_state[index] = local
     groups = []

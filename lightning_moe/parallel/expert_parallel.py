@@ -213,8 +213,9 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
     experts.ffn_hidden_size //= etp
     experts.ffn_shard = (ctx.rank_in("etp"), etp)
     hooks = _ExpertStateDictHooks(ExpertStateConverter(ctx))
-    experts._register_state_dict_hook(hooks.save)
-    experts._register_load_state_dict_pre_hook(hooks.load)
+    # Plain functions: torch tags public hooks with an attribute, which bound methods cannot take.
+    experts.register_state_dict_post_hook(lambda *args: hooks.save(*args))
+    experts.register_load_state_dict_pre_hook(lambda *args: hooks.load(*args))
 
 
 def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, dispatcher: str = "alltoall") -> nn.Module:
