@@ -30,7 +30,7 @@ from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import RouterReduction
 from lightning_moe.parallel.context import ParallelContext
-from lightning_moe.parallel.dispatchers import make_dispatcher
+from lightning_moe.parallel.dispatchers import DISPATCHERS, make_dispatcher
 
 __all__ = ["ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "expert_shard", "is_expert_param"]
 
@@ -178,9 +178,10 @@ def _router_reduction(ctx: ParallelContext) -> RouterReduction:
     )
 
 
-def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
+def _check_layer(layer: MoELayer, ctx: ParallelContext) -> None:
+    """Every reason a layer cannot be sharded on ``ctx``, raised before anything is changed."""
     config, experts = layer.config, layer.experts
-    ep, etp = ctx.size("ep"), ctx.size("etp")
+    etp = ctx.size("etp")
     ctx.dims.validate_num_experts(config.num_experts)
     if config.ffn_hidden_size % etp:
         raise ValueError(
@@ -194,6 +195,11 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
         )
     if experts.expert_offset != 0 or experts.num_experts != config.num_experts:
         raise RuntimeError("apply_expert_parallel was already applied to this MoELayer.")
+
+
+def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
+    config, experts = layer.config, layer.experts
+    ep, etp = ctx.size("ep"), ctx.size("etp")
     nle = config.num_experts // ep
     gated = is_gated(config.activation)
     offset = ctx.rank_in("ep") * nle
@@ -228,6 +234,10 @@ def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, dispatcher: st
     index, so the weights equal the one-device model's). Returns ``model``, modified in place.
     """
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"Unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}.")
+    for layer in layers:
+        _check_layer(layer, ctx)
     for layer in layers:
         _shard_experts(layer, ctx)
         layer.router.reduction = _router_reduction(ctx)

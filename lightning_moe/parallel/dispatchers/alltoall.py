@@ -17,7 +17,7 @@ Split sizes need the token counts of every rank: in dropless (and capacity-dropp
 are all-gathered over the ETP x EP group and read to the host once per dispatch, the only
 device-to-host synchronisation. In drop-and-pad mode every (rank, expert) pair carries exactly
 ``capacity`` rows, so all sizes are static and nothing is read from the device; that mode needs
-the same number of tokens on every rank (as upstream).
+the same number of tokens on every rank (as upstream), which a device-side assert checks.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.permute import expert_order, unpermute
-from lightning_moe.layers.routing import expert_capacity
+from lightning_moe.layers.routing import padded_expert_rows
 from lightning_moe.parallel.collectives import all_gather_v, all_to_all, gather_sizes, reduce_scatter_v
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers.stats import DispatchStats
@@ -103,10 +103,31 @@ class AllToAllDispatcher:
         """Per-(rank, expert) row counts of every rank of the ETP x EP group, as host lists."""
         num_tokens, num_experts = routing_map.shape
         if self.config.pad_to_capacity:
-            capacity = expert_capacity(num_tokens * self.config.top_k, num_experts, self.config.capacity_factor)
-            return [[capacity] * num_experts for _ in self._gather_row_of]
+            self._check_equal_token_counts(routing_map)
+            rows = padded_expert_rows(num_tokens, self.config.top_k, num_experts, self.config.capacity_factor)
+            return [[rows] * num_experts for _ in self._gather_row_of]
         local = routing_map.sum(0)
         return gather_sizes(local, self.etp_ep_group).tolist()  # the one device-to-host read
+
+    def _check_equal_token_counts(self, routing_map: Tensor) -> None:
+        """Drop-and-pad sizes are computed from this rank's token count alone: all must agree.
+
+        Checked without a host read on accelerators (a device-side assert), so the mode stays
+        free of synchronisation; on CPU the comparison is a plain host check.
+        """
+        local = torch.tensor([routing_map.shape[0]], device=routing_map.device)
+        counts = gather_sizes(local, self.etp_ep_group).view(-1)
+        equal = (counts == local).all()
+        message = (
+            "drop-and-pad (pad_to_capacity=True) with the alltoall dispatcher needs the same number of "
+            "tokens on every rank of the expert-parallel group (static split sizes); got different counts. "
+            "Use equal micro-batches, or the allgather dispatcher."
+        )
+        if routing_map.device.type == "cpu":
+            if not bool(equal):
+                raise ValueError(f"{message} Token counts: {counts.tolist()}.")
+        else:
+            torch._assert_async(equal, message)
 
     # -- protocol ---------------------------------------------------------------------------------
 

@@ -1,0 +1,165 @@
+"""Single-device oracles for the expert-parallel tests (``test_expert_parallel.py``).
+
+Every rank of a distributed test knows the tokens of *all* ranks (they come from one seeded
+generator), so it can compute on its own what the one-device `MoELayer` says each rank's share
+must be. The oracles follow DESIGN.md section 4 and reference sections 2.4-2.7:
+
+* dropless routing: the layer applied to the gathered global batch (ranks' tokens concatenated);
+* capacity dropping / drop-and-pad: the layer applied to each rank's own tokens (capacity is per
+  rank), gradients summed over the ranks;
+* aux / seq-aux losses: the layer applied to the concatenated tokens of each TP x CP group;
+* z-loss: the layer applied to each rank's tokens with ``coeff / |TP x CP|``;
+* global aux loss: the layer applied to the tokens of all TP x DP x CP ranks.
+
+Nothing here calls ``torch.distributed``; the slicing of expert tensors is written out by hand
+(not with the library's ``_local_slice``) so the layout it checks is the documented one.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from lightning_moe.layers.config import MoEConfig
+from lightning_moe.layers.moe import MoELayer
+
+__all__ = [
+    "FP32_GRAD_TOL",
+    "FP32_OUT_TOL",
+    "INIT_STD",
+    "Close",
+    "build_reference",
+    "compare",
+    "expert_block",
+    "layer_grads",
+    "make_tokens",
+    "reference_with",
+    "run_reference",
+    "split_rows",
+]
+
+# Tolerances, relative to the largest magnitude of the reference tensor compared (fp32 on both
+# sides; only summation orders differ: rows gathered per expert, all-to-all / reduce-scatter sums
+# in another order, gradients summed over ranks instead of over one batch).
+FP32_OUT_TOL = 1e-5
+"""Outputs: a few ulps per value."""
+FP32_GRAD_TOL = 1e-4
+"""Gradients add reductions over tokens, experts and ranks to the output error."""
+
+# Larger than a training init (0.02) so router logits are spread out: no near-ties in any top-k
+# (a tie could be broken differently on a rank's rows and on the gathered batch).
+INIT_STD = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Close:
+    """A measured difference: ``err = max|actual - expected|``, ``scale = max|expected|``."""
+
+    err: float
+    scale: float
+
+    def ok(self, tol: float) -> bool:
+        # Relative to the reference's magnitude; an all-zero reference must be matched to 1e-12.
+        return self.err <= tol * max(self.scale, 1e-12 / tol)
+
+
+def compare(actual: Tensor, expected: Tensor) -> Close:
+    """Max abs difference and reference magnitude of two same-shaped tensors (shape checked)."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    actual, expected = actual.detach().double(), expected.detach().double()
+    err = (actual - expected).abs().max().item() if expected.numel() else 0.0
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    return Close(err, scale)
+
+
+def build_reference(config: MoEConfig, seed: int, expert_bias: Tensor | None = None) -> MoELayer:
+    """The one-device layer every rank builds identically (same seed, optional expert bias)."""
+    torch.manual_seed(seed)
+    layer = MoELayer(config)
+    if expert_bias is not None:
+        with torch.no_grad():
+            layer.router.expert_bias.copy_(expert_bias)
+    return layer
+
+
+def reference_with(layer: MoELayer, **config_changes) -> MoELayer:
+    """A fresh copy of ``layer`` (same weights and buffers, zero grads) with a changed config."""
+    config = dataclasses.replace(layer.config, **config_changes)
+    clone = copy.deepcopy(layer)
+    clone.config = config
+    clone.router.config = config
+    clone.dispatcher.config = config
+    for param in clone.parameters():
+        param.grad = None
+    return clone
+
+
+def make_tokens(shapes: list[tuple[int, ...]], seed: int, hidden: int, offset: float = 0.0) -> list[Tensor]:
+    """One seeded random tensor per rank, of ``shape + (hidden,)``; ``offset`` is added to feature 0."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randn(*shape, hidden, generator=gen) for shape in shapes]
+    for t in tokens:
+        t[..., 0] += offset
+    return tokens
+
+
+def split_rows(full: Tensor, sizes: list[int], index: int, dim: int = 0) -> Tensor:
+    """Part ``index`` of ``full`` cut along ``dim`` into consecutive pieces of ``sizes``."""
+    start = sum(sizes[:index])
+    return full.narrow(dim, start, sizes[index])
+
+
+def run_reference(
+    layer: MoELayer,
+    xs: list[Tensor],
+    dys: list[Tensor],
+    cat_dim: int = 0,
+    masks: list[Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Forward the concatenation of ``xs`` through ``layer``, backward with the concatenated ``dys``.
+
+    ``masks`` (padding masks, one per part) are concatenated the same way. Returns
+    ``(output, input grad)``; parameter grads accumulate in ``layer``.
+    """
+    x = torch.cat(xs, dim=cat_dim).requires_grad_()
+    y = layer(x, None if masks is None else torch.cat(masks, dim=cat_dim))
+    y.backward(torch.cat(dys, dim=cat_dim))
+    return y.detach(), x.grad
+
+
+def layer_grads(layer: MoELayer) -> dict[str, Tensor]:
+    """Gradient of every parameter by state-dict name (zeros for parameters that got none)."""
+    return {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for name, p in layer.named_parameters()
+    }
+
+
+def expert_block(
+    full: Tensor, name: str, ep_rank: int, num_local: int, etp_rank: int, etp_size: int, gated: bool
+) -> Tensor:
+    """The block of a global expert tensor that one (EP, ETP) rank holds (DESIGN.md section 2).
+
+    Local experts ``[ep_rank * num_local, (ep_rank + 1) * num_local)``; with ETP, of ``fc1_weight``
+    ``[E, 2F, H]`` (gated) the ``etp_rank``-th block of the F gate rows followed by the same block
+    of the F up rows (``[E, F, H]`` ungated: the row block), of ``fc2_weight`` ``[E, H, F]`` the
+    ``etp_rank``-th column block; ``fc2_bias`` is not split.
+    """
+    experts = full[ep_rank * num_local : (ep_rank + 1) * num_local]
+    if name == "fc1_weight":
+        if gated:
+            ffn = experts.shape[1] // 2
+            block = ffn // etp_size
+            gate = experts[:, etp_rank * block : (etp_rank + 1) * block]
+            up = experts[:, ffn + etp_rank * block : ffn + (etp_rank + 1) * block]
+            return torch.cat([gate, up], dim=1)
+        block = experts.shape[1] // etp_size
+        return experts[:, etp_rank * block : (etp_rank + 1) * block]
+    if name == "fc2_weight":
+        block = experts.shape[2] // etp_size
+        return experts[:, :, etp_rank * block : (etp_rank + 1) * block]
+    return experts
