@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.permute import expert_order
-from lightning_moe.layers.routing import expert_capacity
+from lightning_moe.layers.routing import padded_expert_rows
 from lightning_moe.parallel.collectives import all_gather_v, gather_sizes, reduce_scatter_v
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers.stats import DispatchStats
@@ -63,7 +63,7 @@ class AllGatherDispatcher:
         if self.config.pad_to_capacity:
             # Each rank's router marked exactly its capacity per expert: static counts.
             per_rank = [
-                expert_capacity(n * self.config.top_k, self.config.num_experts, self.config.capacity_factor)
+                padded_expert_rows(n, self.config.top_k, self.config.num_experts, self.config.capacity_factor)
                 for n in token_sizes
             ]
             counts = [sum(per_rank)] * self.num_local_experts
