@@ -1,0 +1,242 @@
+"""`MoETransformerConfig`: the shape of the reference decoder-only MoE language model.
+
+One dataclass holds every setting of :class:`~lightning_moe.models.MoETransformer`; the MoE
+feed-forward layers take the nested :class:`~lightning_moe.MoEConfig`. Attribute docstrings are
+what jsonargparse and LightningCLI show in ``--help``, and presets under
+``examples/configs/models/`` are YAML files with these fields as top-level keys.
+
+The parameter count is computed analytically (:meth:`MoETransformerConfig.num_parameters`), so
+the size of a 600B-parameter model is known without building it; the tests check the formula
+against the real module built on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_moe.layers.activations import is_gated
+from lightning_moe.layers.config import MoEConfig
+
+__all__ = ["MoETransformerConfig"]
+
+
+@dataclass
+class MoETransformerConfig:
+    """Configuration of a GPT-style decoder-only language model with Mixture-of-Experts FFNs.
+
+    Each block is ``x + attn(attn_norm(x))`` then ``x + ffn(ffn_norm(x))``, where ``ffn`` is an
+    :class:`~lightning_moe.MoELayer` on MoE layers and a dense SwiGLU MLP elsewhere. Which layers
+    are MoE: layer ``i`` is MoE iff ``moe`` is set, ``i >= first_dense_layers`` and
+    ``moe_layer_freq`` selects it (see :meth:`is_moe_layer`).
+    """
+
+    vocab_size: int
+    """Number of token ids V (rows of the embedding and of the output head)."""
+
+    hidden_size: int
+    """Model width H of the residual stream (HF ``hidden_size``, Megatron ``hidden_size``)."""
+
+    num_layers: int
+    """Number of transformer blocks (HF ``num_hidden_layers``, Megatron ``num_layers``)."""
+
+    num_attention_heads: int
+    """Query heads per attention layer (HF ``num_attention_heads``)."""
+
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; must divide ``num_attention_heads``. None means
+    multi-head attention, one kv head per query head (HF ``num_key_value_heads``, Megatron
+    ``num_query_groups``)."""
+
+    head_dim: int | None = None
+    """Width of one attention head; None means ``hidden_size // num_attention_heads``. Must be
+    even (rotary embeddings rotate pairs). Qwen3 uses 128 with hidden 2048 and 32 heads (HF
+    ``head_dim``, Megatron ``kv_channels``)."""
+
+    ffn_hidden_size: int | None = None
+    """Hidden width of the dense SwiGLU MLP of the non-MoE layers (HF ``intermediate_size``,
+    Megatron ``ffn_hidden_size``). Required when any layer is dense; the routed experts' width is
+    ``moe.ffn_hidden_size``."""
+
+    max_seq_len: int = 4096
+    """Longest sequence ``forward`` accepts (HF ``max_position_embeddings``). Rotary tables are
+    computed on the fly, so this costs no memory."""
+
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies (HF ``rope_theta``, Megatron
+    ``rotary_base``)."""
+
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (HF ``rms_norm_eps``, Megatron ``norm_epsilon``)."""
+
+    qk_norm: bool = False
+    """RMSNorm on each query and key head (width ``head_dim``) before the rotary embedding, as in
+    Qwen3 (Megatron ``qk_layernorm``)."""
+
+    tie_embeddings: bool = False
+    """Share one ``[V, H]`` tensor between the token embedding and the output head (HF
+    ``tie_word_embeddings``; Megatron ``share_embeddings_and_output_weights``)."""
+
+    moe: MoEConfig | None = None
+    """Settings of the MoE feed-forward layers (router, experts, shared expert, losses); None
+    builds a dense model. ``moe.hidden_size`` must equal ``hidden_size``."""
+
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE, as Megatron's ``moe_layer_freq``: an int N makes layer ``i`` MoE iff
+    ``i % N == 0`` (1 = every layer); a list of ``num_layers`` 0/1 entries marks each layer
+    (1 = MoE). Combined with ``first_dense_layers`` by AND."""
+
+    first_dense_layers: int = 0
+    """Force the first k layers dense whatever ``moe_layer_freq`` says (DeepSeek-V3's
+    ``first_k_dense_replace``; Megatron expresses it with a ``moe_layer_freq`` list). With an int
+    frequency N, layer ``i`` is MoE iff ``i >= k and i % N == 0``, as in DeepSeek's code."""
+
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of the embedding, attention, dense MLP and
+    output weights (Megatron ``init_method_std``); the MoE layers use ``moe.init_std``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe_layer_freq, (list, tuple)):
+            self.moe_layer_freq = [int(flag) for flag in self.moe_layer_freq]
+        self._validate()
+
+    # ----------------------------------------------------------------------------- derived shapes
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (``num_kv_heads``, or ``num_attention_heads`` for MHA)."""
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_attention_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        """Width of one head (``head_dim``, or ``hidden_size // num_attention_heads``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has an MoE feed-forward layer (else a dense MLP)."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer index {index} is out of range for num_layers={self.num_layers}.")
+        if self.moe is None or index < self.first_dense_layers:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return index % self.moe_layer_freq == 0
+        return self.moe_layer_freq[index] == 1
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    # ----------------------------------------------------------------------------- parameter count
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Number of parameters of the model, computed from the shapes (no module is built).
+
+        With ``active=True``, the parameters one token uses: the router, ``top_k`` routed experts
+        and the shared expert of every MoE layer instead of all experts, everything else in full
+        (the embedding counted once, the output head again when untied). Buffers such as the
+        expert bias are not parameters. Equals ``sum(p.numel() for p in model.parameters())`` of
+        the built model for ``active=False``.
+        """
+        hidden, vocab = self.hidden_size, self.vocab_size
+        embedding = vocab * hidden
+        head = 0 if self.tie_embeddings else vocab * hidden
+        total = embedding + head + hidden  # + final norm
+        for index in range(self.num_layers):
+            total += 2 * hidden + self._attention_parameters()  # attn_norm, ffn_norm, attention
+            if self.is_moe_layer(index):
+                total += self._moe_parameters(active)
+            else:
+                total += 3 * hidden * self.ffn_hidden_size  # gate_proj, up_proj, down_proj
+        return total
+
+    def _attention_parameters(self) -> int:
+        q_width = self.num_attention_heads * self.attention_head_dim
+        kv_width = self.kv_heads * self.attention_head_dim
+        norms = 2 * self.attention_head_dim if self.qk_norm else 0
+        # q_proj [q, H], k_proj and v_proj [kv, H], o_proj [H, q]; no biases.
+        return 2 * q_width * self.hidden_size + 2 * kv_width * self.hidden_size + norms
+
+    def _moe_parameters(self, active: bool) -> int:
+        moe, hidden = self.moe, self.hidden_size
+        fc1_factor = 2 if is_gated(moe.activation) else 1
+        per_expert = (fc1_factor + 1) * moe.ffn_hidden_size * hidden + (hidden if moe.fc2_bias else 0)
+        experts = moe.top_k if active else moe.num_experts
+        shared = 0
+        if moe.shared_expert_ffn_hidden_size:
+            shared = (fc1_factor + 1) * moe.shared_expert_ffn_hidden_size * hidden
+            shared += hidden if moe.shared_expert_gate else 0
+        return moe.num_experts * hidden + experts * per_expert + shared  # router + experts + shared
+
+    # ----------------------------------------------------------------------------- validation
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoETransformerConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MoETransformerConfig.{name} must be > 0, got {getattr(self, name)}.")
+        self._validate_attention()
+        self._validate_layer_pattern()
+        if self.moe is not None and self.moe.hidden_size != self.hidden_size:
+            raise ValueError(
+                f"moe.hidden_size={self.moe.hidden_size} differs from hidden_size={self.hidden_size}: "
+                f"the MoE layers read and write the residual stream. Set moe.hidden_size: {self.hidden_size}."
+            )
+        dense = [i for i in range(self.num_layers) if not self.is_moe_layer(i)]
+        if dense and (self.ffn_hidden_size is None or self.ffn_hidden_size < 1):
+            raise ValueError(
+                f"layers {_short_list(dense)} are dense but ffn_hidden_size={self.ffn_hidden_size}; set "
+                "ffn_hidden_size (the dense SwiGLU width, >= 1) or make every layer MoE."
+            )
+
+    def _validate_attention(self) -> None:
+        heads = self.num_attention_heads
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or heads % self.num_kv_heads):
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} must be >= 1 and divide num_attention_heads={heads} "
+                "(each kv head serves a group of query heads); use a divisor, or None for MHA."
+            )
+        if self.head_dim is None and self.hidden_size % heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; set "
+                "head_dim explicitly or choose a head count that divides hidden_size."
+            )
+        if self.attention_head_dim < 2 or self.attention_head_dim % 2:
+            raise ValueError(
+                f"head_dim={self.attention_head_dim} must be even and >= 2: rotary embeddings rotate "
+                "pairs of features."
+            )
+
+    def _validate_layer_pattern(self) -> None:
+        if not 0 <= self.first_dense_layers <= self.num_layers:
+            raise ValueError(
+                f"first_dense_layers={self.first_dense_layers} must be between 0 and "
+                f"num_layers={self.num_layers}."
+            )
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq < 1:
+                raise ValueError(
+                    f"moe_layer_freq={freq} must be >= 1 (1 = every layer MoE, N = every N-th), "
+                    "or a list of 0/1 per layer."
+                )
+        elif len(freq) != self.num_layers or any(flag not in (0, 1) for flag in freq):
+            raise ValueError(
+                f"moe_layer_freq as a list needs num_layers={self.num_layers} entries of 0 or 1 "
+                f"(1 = MoE), got {len(freq)} entries: {_short_list(freq)}."
+            )
+        if self.moe is not None and not self.moe_layers:
+            raise ValueError(
+                f"moe is set but no layer is MoE (first_dense_layers={self.first_dense_layers}, "
+                f"moe_layer_freq={_short_list(freq) if isinstance(freq, list) else freq}, "
+                f"num_layers={self.num_layers}); lower first_dense_layers or set moe: null for a "
+                "dense model."
+            )
+
+
+def _short_list(values: list[int], limit: int = 8) -> str:
+    """``values`` for an error message, elided past ``limit`` entries."""
+    if len(values) <= limit:
+        return str(list(values))
+    return "[" + ", ".join(str(v) for v in values[:limit]) + f", ... ({len(values)} in all)]"

@@ -1,0 +1,239 @@
+"""`MoETransformer`: the reference GPT-style decoder-only Mixture-of-Experts language model.
+
+Written for one device (DESIGN.md rule 1): parallelism is applied afterwards by
+``lightning_moe.parallel`` (expert parallelism on the :class:`~lightning_moe.MoELayer` s, tensor
+parallelism by a plan over the module names below). Module names are a stable public API::
+
+    embed                      nn.Embedding [V, H]
+    layers.{i}.attn_norm       RMSNorm [H]
+    layers.{i}.attn            Attention: q_proj, k_proj, v_proj, o_proj (nn.Linear), q_norm, k_norm
+    layers.{i}.ffn_norm        RMSNorm [H]
+    layers.{i}.ffn             MoELayer (MoE layers) or DenseMLP: gate_proj, up_proj, down_proj
+    norm                       RMSNorm [H]
+    lm_head                    nn.Linear [V, H] (weight is embed.weight when tied)
+
+Initialisation is deterministic and independent of device and parallel layout: the model draws
+one seed from the global RNG when it is built; every weight outside the MoE layers is drawn from
+a generator seeded by (that seed, the module's qualified name), and every MoE layer is built with
+the global RNG forked and seeded the same way, so its own seed (from which its experts are drawn
+by global expert index) depends only on the model seed and its name. A model built on the meta
+device, materialised with ``to_empty`` and re-initialised with :meth:`MoETransformer.reset_parameters`
+holds the same weights as one built directly after the same ``torch.manual_seed``, and either
+build advances the global RNG by exactly one draw.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.models.attention import Attention, RMSNorm, rotary_cos_sin
+from lightning_moe.models.config import MoETransformerConfig
+
+__all__ = ["DenseMLP", "MoETransformer", "TransformerBlock", "init_generator", "module_seed"]
+
+
+def module_seed(model_seed: int, name: str) -> int:
+    """The seed of the module called ``name`` (qualified, e.g. ``layers.3.attn.q_proj``).
+
+    Mixes the model seed with ``zlib.crc32`` of the name (stable across processes, unlike Python's
+    salted ``hash``), so every module gets its own stream whatever the build order.
+    """
+    return (model_seed * 1_000_003 + zlib.crc32(name.encode("utf-8")) * 7_919 + 1) % (2**63 - 1)
+
+
+def init_generator(model_seed: int, name: str) -> torch.Generator:
+    """The CPU generator that initialises the module called ``name`` (see :func:`module_seed`)."""
+    return torch.Generator(device="cpu").manual_seed(module_seed(model_seed, name))
+
+
+def _write_full(weight: Tensor, values: Tensor) -> None:
+    """Copy the full tensor ``values`` into ``weight``, or into this rank's shard of it.
+
+    A weight sharded by tensor parallelism (a DTensor, recognised by its ``placements``) keeps the
+    slice of ``values`` its placements give this rank; every rank drew the same ``values``, so no
+    communication is needed.
+    """
+    if hasattr(weight, "placements"):
+        from torch.distributed.tensor import distribute_tensor  # only reached under tensor parallelism
+
+        values = distribute_tensor(values.to(weight.device), weight.device_mesh, weight.placements, src_data_rank=None)
+    weight.copy_(values)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU feed-forward ``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases.
+
+    ``gate_proj`` and ``up_proj`` are ``[F, H]``, ``down_proj`` ``[H, F]`` (``nn.Linear`` weights).
+    ``forward`` accepts (and ignores) a ``padding_mask`` so blocks call dense and MoE FFNs alike.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """``x`` ``[B, S, H]`` -> ``[B, S, H]``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(attn_norm(x))``, then ``+ ffn(ffn_norm(x))`` (MoE or dense)."""
+
+    def __init__(self, config: MoETransformerConfig, ffn: nn.Module) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.kv_heads,
+            config.attention_head_dim,
+            qk_norm=config.qk_norm,
+            norm_eps=config.norm_eps,
+        )
+        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.ffn = ffn
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """``x`` ``[B, S, H]``, rotary tables ``[S, D]``, ``padding_mask`` ``[B, S]`` -> ``[B, S, H]``."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.ffn(self.ffn_norm(x), padding_mask)
+
+
+class MoETransformer(nn.Module):
+    """Decoder-only language model with Mixture-of-Experts feed-forward layers.
+
+    ``forward(tokens [B, S] int64, padding_mask [B, S] bool | None) -> logits [B, S, V]``.
+    ``padding_mask`` (True = padding) keeps padded tokens out of the MoE load-balancing losses and
+    expert-bias counts; attention is causal only, so pad on the right (or pack sequences) and give
+    padded targets ``ignore_index`` in :meth:`loss`. Aux and z losses of the MoE layers reach the
+    gradients by themselves (see :class:`~lightning_moe.MoELayer`); the training loss needs no term.
+
+    Example::
+
+        config = MoETransformerConfig(vocab_size=256, hidden_size=64, num_layers=2,
+                                      num_attention_heads=4, ffn_hidden_size=128,
+                                      moe=MoEConfig(hidden_size=64, ffn_hidden_size=32, num_experts=4))
+        model = MoETransformer(config)
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+
+    Large models: build under ``with torch.device("meta"):``, parallelise, then ``to_empty`` and
+    :meth:`reset_parameters`.
+    """
+
+    def __init__(self, config: MoETransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Explicitly on the CPU generator so that building under a device context works.
+        self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        """The model seed every weight is drawn from (see :func:`init_generator`)."""
+        # Everything below leaves the global CPU RNG untouched: default initialisers consume it on
+        # real devices but not on meta, and each MoE layer's seed must not depend on that.
+        with torch.random.fork_rng(devices=[]):
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(
+                TransformerBlock(config, self._build_ffn(index)) for index in range(config.num_layers)
+            )
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._tie_weights()
+        if not self.embed.weight.is_meta:
+            self.reset_parameters()
+
+    def _build_ffn(self, index: int) -> nn.Module:
+        config = self.config
+        if not config.is_moe_layer(index):
+            return DenseMLP(config.hidden_size, config.ffn_hidden_size)
+        # MoELayer draws its seed from the global CPU RNG (forked in __init__): seed that from
+        # (model seed, name). The CPU generator only: torch.manual_seed would reseed CUDA too.
+        torch.random.default_generator.manual_seed(module_seed(self.init_seed, f"layers.{index}.ffn"))
+        return MoELayer(config.moe)
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _apply(self, fn, recurse=True):
+        # Conversions that create new parameters (to_empty from meta, .to() across devices) replace
+        # embed.weight and lm_head.weight separately; tie them again.
+        super()._apply(fn, recurse)
+        self._tie_weights()
+        return self
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-draw every weight from the model seed (norms to ones, MoE layers from their seeds).
+
+        Call after ``to_empty`` on a model built on the meta device. Normal(0, ``init_std``) values
+        are drawn in fp32 on the CPU from :func:`init_generator` of each module's qualified name
+        and copied in, so they do not depend on the parameters' device or dtype.
+        """
+        if self.embed.weight.is_meta:
+            raise RuntimeError(
+                "reset_parameters() on a meta-device model has nothing to write to; call "
+                "model.to_empty(device=...) first."
+            )
+        self._tie_weights()
+        moe_prefixes: list[str] = []
+        for name, module in self.named_modules():
+            if any(name.startswith(prefix) for prefix in moe_prefixes):
+                continue  # inside an MoE layer: it initialises its own submodules
+            if isinstance(module, MoELayer):
+                module.reset_parameters()
+                moe_prefixes.append(name + ".")
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.lm_head and self.config.tie_embeddings:
+                    continue  # the embedding's tensor, already drawn
+                weight = module.weight
+                values = torch.empty(weight.shape, dtype=torch.float32)
+                values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
+                _write_full(weight, values)
+
+    def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """Next-token logits: ``tokens`` ``[B, S]`` int64 -> ``[B, S, V]``."""
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"tokens must be an integer tensor [B, S], got {tokens.dtype} {tuple(tokens.shape)}."
+            )
+        seq = tokens.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}; shorten the "
+                "sequences or raise max_seq_len."
+            )
+        if padding_mask is not None and padding_mask.shape != tokens.shape:
+            raise ValueError(
+                f"padding_mask must have the shape of tokens {tuple(tokens.shape)}, "
+                f"got {tuple(padding_mask.shape)}."
+            )
+        cos, sin = rotary_cos_sin(seq, self.config.attention_head_dim, self.config.rope_theta, tokens.device)
+        x = self.embed(tokens)  # [B, S, H]
+        for layer in self.layers:
+            x = layer(x, cos, sin, padding_mask)
+        return self.lm_head(self.norm(x))  # [B, S, V]
+
+    def loss(
+        self, tokens: Tensor, targets: Tensor, ignore_index: int = -100, padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """Mean next-token cross-entropy (fp32) of ``forward(tokens)`` against ``targets`` ``[B, S]``.
+
+        Targets equal to ``ignore_index`` are left out of the mean; ``padding_mask`` goes to
+        :meth:`forward` (it keeps padded tokens out of the MoE statistics).
+        """
+        logits = self(tokens, padding_mask)
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index
+        )
+
+    def extra_repr(self) -> str:
+        config = self.config
+        moe = "dense" if config.moe is None else f"moe layers {len(config.moe_layers)}/{config.num_layers}"
+        return f"params={config.num_parameters():,}, active={config.num_parameters(active=True):,}, {moe}"
