@@ -6,10 +6,12 @@ Every gradient is pre-scaled by ``1 / (DP * CP)`` (the dense data-parallel world
 * expert parameters (tagged by ``apply_expert_parallel``) over the expert-data-parallel group
   ``edp``: each expert replica already summed the token gradients of its whole EP group through
   the all-to-all, so summing over EDP covers every DP x CP data shard exactly once;
-* dense parameters over ``tp_dp_cp``: under folding every rank of a TP group routes its own
-  tokens (sequence parallel), so a parameter replicated across TP (router, norms, a replicated
-  shared expert) holds a partial gradient there too. DTensor parameters (sharded by tensor
-  parallelism, which handles its own TP reduction) are summed over ``dp_cp`` only.
+* dense parameters replicated across TP over ``tp_dp_cp``: under folding every rank of a TP group
+  routes its own tokens (sequence parallel), so a router, a norm or a replicated shared expert
+  holds a partial gradient on each TP rank (sequence-parallel DTensor norms report theirs as
+  ``Partial``; one that arrives already reduced is divided by TP first);
+* dense parameters sharded by tensor parallelism (DTensors with a ``Shard`` placement) over
+  ``dp_cp`` only; a gradient with another layout is first brought to the parameter's.
 
 Reduction overlaps the backward pass: a post-accumulate-grad hook marks each parameter ready and
 a bucket is launched (asynchronously) as soon as it and every bucket before it are ready, so all
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
@@ -40,11 +42,28 @@ def reduce_group_name(param: Tensor) -> str:
     """The group a parameter's gradient is summed over (see the module docstring)."""
     if is_expert_param(param):
         return "edp"
-    return "dp_cp" if isinstance(param, DTensor) else "tp_dp_cp"
+    if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+        return "dp_cp"
+    return "tp_dp_cp"
 
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_grad(param: Tensor, tp_size: int) -> Tensor:
+    """This rank's contribution to the sum of ``param``'s gradient, in the parameter's local shape."""
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    if any(isinstance(p, Partial) for p in grad.placements):
+        return grad.to_local()  # a partial sum: exactly what the reduction adds up
+    if isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. Replicate -> Shard: a slice
+    local = grad.to_local()
+    if reduce_group_name(param) == "tp_dp_cp" and tp_size > 1:
+        local = local / tp_size  # already summed over TP; the reduction below sums it again
+    return local
 
 
 @dataclass
@@ -118,10 +137,11 @@ class GradSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         pieces = []
+        tp = self.ctx.size("tp")
         for p in bucket.params:
-            grad = p.grad
-            pieces.append(torch.zeros(_local(p).numel(), dtype=_local(p).dtype, device=_local(p).device)
-                          if grad is None else _local(grad).reshape(-1))
+            local = _local(p)
+            pieces.append(torch.zeros(local.numel(), dtype=local.dtype, device=local.device)
+                          if p.grad is None else _local_grad(p, tp).reshape(-1))
         bucket.flat = torch.cat(pieces).mul_(self.scale)
         if self.ctx.size(bucket.group_name) > 1:
             bucket.handle = dist.all_reduce(bucket.flat, group=self.ctx.group(bucket.group_name), async_op=True)
@@ -139,12 +159,13 @@ class GradSync:
                 local = _local(p)
                 reduced = bucket.flat[offset : offset + local.numel()].view_as(local)
                 offset += local.numel()
-                if p.grad is None:
-                    p.grad = DTensor.from_local(reduced.clone(), p.device_mesh, p.placements) if isinstance(
-                        p, DTensor
-                    ) else reduced.clone()
+                if isinstance(p, DTensor):
+                    # Replace the gradient: its layout may have differed (Partial, Replicate) from the parameter's.
+                    p.grad = DTensor.from_local(reduced.clone(), p.device_mesh, p.placements, run_check=False)
+                elif p.grad is None:
+                    p.grad = reduced.clone()
                 else:
-                    _local(p.grad).copy_(reduced)
+                    p.grad.copy_(reduced)
             bucket.ready.clear()
             bucket.flat = bucket.handle = None
         self._next_launch = 0

@@ -3,10 +3,13 @@
 Model code is written for one device; this function turns it into its share of a parallel
 layout. Order (each step assumes the previous ones):
 
-1. tensor / sequence parallelism of attention and dense layers (arrives with the reference
-   model; until then a layout with TP > 1 treats each rank's tokens as its own sequence shard);
-2. expert parallelism: :func:`~lightning_moe.parallel.expert_parallel.apply_expert_parallel`
-   shards the experts over EP x ETP, binds the token dispatcher and the router's reduce groups.
+1. tensor / sequence parallelism (:func:`~lightning_moe.parallel.tensor_parallel.apply_tensor_parallel`)
+   of every reference :class:`~lightning_moe.models.MoETransformer` inside ``model``: attention
+   and dense layers sharded over TP, MoE layers fed this rank's sequence slice. Other modules
+   stay replicated over TP; each TP rank then simply routes its own tokens (sequence-sharded
+   data), which is all MoE folding needs;
+2. expert parallelism (:func:`~lightning_moe.parallel.expert_parallel.apply_expert_parallel`):
+   experts sharded over EP x ETP, the token dispatcher and the router's reduce groups bound.
 
 The Lightning strategy calls it after ``configure_model``; a plain torchrun script calls it
 directly after building the model.
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
+from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["parallelize"]
 
@@ -30,4 +35,6 @@ def parallelize(model: nn.Module, ctx: ParallelContext, dispatcher: str = "allto
         ctx: the layout, from :func:`~lightning_moe.parallel.build_parallel_context`.
         dispatcher: token dispatcher of the MoE layers, ``"alltoall"`` or ``"allgather"``.
     """
+    for module in [m for m in model.modules() if isinstance(m, MoETransformer)]:
+        apply_tensor_parallel(module, ctx)
     return apply_expert_parallel(model, ctx, dispatcher=dispatcher)

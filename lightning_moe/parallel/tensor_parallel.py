@@ -1,0 +1,144 @@
+"""`apply_tensor_parallel`: Megatron-style tensor + sequence parallelism for the reference model.
+
+Applied with ``torch.distributed.tensor.parallel`` on the dense mesh's ``tp`` dimension, to a
+:class:`~lightning_moe.models.MoETransformer` built for one device:
+
+* the token embedding is sharded over the vocabulary and emits a sequence-sharded output;
+* norms run sequence parallel (each TP rank normalises its own slice of the sequence);
+* attention and dense MLPs gather the sequence, shard heads / hidden units column-wise
+  (q/k/v, gate/up) and row-wise (o, down), and scatter the result back over the sequence;
+* every MoE layer receives this rank's *local* sequence slice: the ranks of a TP group route
+  distinct tokens, which is what MoE parallel folding expects (experts live on EP, not TP);
+* the output head is sharded over the vocabulary and its logits gathered.
+
+Parameters sharded or replicated by these styles become DTensors; the gradient synchroniser
+then reduces them over DP x CP only (DTensor already reduces over TP). Parameters left plain (the
+MoE layers' router and shared expert, which see only local tokens) hold partial gradients and are
+summed over TP x DP x CP. Requires the vocabulary, the head counts and the FFN width to divide by TP.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.parallel.context import ParallelContext
+
+__all__ = ["apply_tensor_parallel", "shard_moe_input", "tensor_parallel_plan"]
+
+
+def shard_moe_input(layer: MoELayer, tp_mesh: DeviceMesh) -> None:
+    """Feed ``layer`` this rank's sequence slice as local tensors; return its output sequence-sharded.
+
+    The input arrives as a DTensor sharded on the sequence (dim 1); the padding mask ``[B, S]``, if
+    any, is cut to the same slice. Sequences must divide by the TP size (as with Megatron's
+    sequence parallelism).
+    """
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+
+    def to_local(module: nn.Module, args: tuple) -> tuple:
+        hidden, *rest = args
+        if isinstance(hidden, DTensor):
+            if hidden.shape[1] % tp:
+                raise ValueError(
+                    f"Sequence length {hidden.shape[1]} is not divisible by the tensor parallel size {tp}; "
+                    "sequence parallelism needs equal slices: pad or choose the sequence length accordingly."
+                )
+            hidden = hidden.redistribute(placements=(Shard(1),)).to_local()
+        mask = rest[0] if rest else None
+        if mask is not None and mask.shape[1] != hidden.shape[1]:
+            mask = mask.chunk(tp, dim=1)[rank]
+        return (hidden, mask) if rest else (hidden,)
+
+    def to_sequence_sharded(module: nn.Module, args: tuple, output: Tensor) -> DTensor:
+        return DTensor.from_local(output, tp_mesh, (Shard(1),), run_check=False)
+
+    layer.register_forward_pre_hook(to_local)
+    layer.register_forward_hook(to_sequence_sharded)
+
+
+def _check_divisible(model: nn.Module, tp: int) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(
+            f"apply_tensor_parallel needs a lightning_moe MoETransformer (with .config); got {type(model).__name__}."
+        )
+    kv_heads = config.num_kv_heads or config.num_attention_heads
+    checks = {
+        "vocab_size": config.vocab_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_kv_heads": kv_heads,
+        "ffn_hidden_size": config.ffn_hidden_size,
+    }
+    if config.tie_embeddings:
+        raise ValueError(
+            f"tie_embeddings=True is not supported with tensor parallel size {tp} yet (the embedding and the "
+            "output head are sharded separately); untie them or use TP=1."
+        )
+    bad = {name: value for name, value in checks.items() if value % tp}
+    if bad:
+        raise ValueError(
+            f"Tensor parallel size {tp} must divide {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+            "choose a TP size that divides them (pad the vocabulary to a multiple of TP)."
+        )
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, object]:
+    """The parallelize_module plan of a MoETransformer, by submodule name."""
+    plan: dict[str, object] = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i, block in enumerate(model.layers):
+        prefix = f"layers.{i}"
+        plan[f"{prefix}.attn_norm"] = SequenceParallel()
+        plan[f"{prefix}.ffn_norm"] = SequenceParallel()
+        # Attention takes (x, cos, sin): gather the sequence of x, leave the rotary tables alone.
+        plan[f"{prefix}.attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{prefix}.attn.{name}"] = ColwiseParallel()
+        plan[f"{prefix}.attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        if not isinstance(block.ffn, MoELayer):  # MoE layers: see shard_moe_input
+            # The dense MLP takes (x, padding_mask): gather the sequence of x.
+            plan[f"{prefix}.ffn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            )
+            plan[f"{prefix}.ffn.gate_proj"] = ColwiseParallel()
+            plan[f"{prefix}.ffn.up_proj"] = ColwiseParallel()
+            plan[f"{prefix}.ffn.down_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
+    """Shard ``model`` (a MoETransformer) over the ``tp`` dimension of ``ctx``; no-op at TP=1."""
+    tp = ctx.size("tp")
+    if tp == 1:
+        return model
+    _check_divisible(model, tp)
+    tp_mesh = ctx.dense_mesh["tp"]
+
+    def check_sequence_length(module: nn.Module, args: tuple) -> None:
+        if args[0].shape[1] % tp:
+            raise ValueError(
+                f"Sequence length {args[0].shape[1]} is not divisible by the tensor parallel size {tp}; "
+                "sequence parallelism splits every sequence into equal slices: choose a multiple of TP."
+            )
+
+    model.register_forward_pre_hook(check_sequence_length)
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    for block in model.layers:
+        if isinstance(block.ffn, MoELayer):
+            shard_moe_input(block.ffn, tp_mesh)
+    return model

@@ -1,0 +1,134 @@
+"""Tensor + sequence parallelism of the reference model, folded with expert parallelism.
+
+Oracle: the single-device model on the global batch. Each data-parallel replica takes its own
+samples; the TP ranks of a replica share them and split every sequence. Forward losses, every
+gradient after :class:`GradSync` and the weights after a few AdamW steps must equal the
+single-device run (fp32, load-balancing losses off).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.dist import run_distributed
+from torch.distributed.tensor import DTensor
+
+from lightning_moe import MoEConfig
+from lightning_moe.models import MoETransformer, MoETransformerConfig
+from lightning_moe.parallel import ParallelDims, build_parallel_context, expert_shard, parallelize
+from lightning_moe.parallel.expert_parallel import _local_slice
+from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.grad_sync import GradSync
+
+pytestmark = pytest.mark.distributed
+
+# fp32 through a few reductions in a different order than one device.
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-5
+WEIGHT_TOL = 1e-5
+SAMPLES_PER_REPLICA = 2
+SEQ = 8  # divisible by TP
+STEPS = 3
+
+LAYOUTS = {
+    "tp2": (2, {"tp": 2}),
+    "tp2-ep2-folded": (2, {"tp": 2, "etp": 1, "ep": 2}),
+    "tp2-etp1-ep4-folded": (4, {"tp": 2, "etp": 1, "ep": 4}),
+}
+
+
+def _config() -> MoETransformerConfig:
+    return MoETransformerConfig(
+        vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+        ffn_hidden_size=64, first_dense_layers=1, qk_norm=True,
+        moe=MoEConfig(32, 16, 8, top_k=2, shared_expert_ffn_hidden_size=16, shared_expert_gate=True),
+    )
+
+
+def _full(param: torch.Tensor, value: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's value as comparable tensor, the matching slice of the reference)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor(), reference
+    shard = expert_shard(param)
+    if shard is not None:
+        return value, _local_slice(reference, shard, param.shape[0])
+    return value, reference
+
+
+def _train_and_compare(rank: int, world: int, layout: dict, clip: float | None) -> dict[str, float]:
+    torch.manual_seed(0)
+    reference = MoETransformer(_config())
+    model = copy.deepcopy(reference)
+    ctx = build_parallel_context(ParallelDims(world, **layout), "cpu")
+    parallelize(model, ctx)
+    sync = GradSync(model, ctx, bucket_size_mb=0.01)  # several buckets
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    dp, dp_rank = ctx.size("dp"), ctx.rank_in("dp")
+    worst: dict[str, float] = {}
+
+    def note(key: str, err: float) -> None:
+        worst[key] = max(worst.get(key, 0.0), err)
+
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, 64, (SAMPLES_PER_REPLICA * dp, SEQ + 1), generator=gen)
+        mine = tokens[dp_rank * SAMPLES_PER_REPLICA : (dp_rank + 1) * SAMPLES_PER_REPLICA]
+        loss = model.loss(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        sync.finish()
+        ref_loss = reference.loss(tokens[:, :-1], tokens[:, 1:])
+        ref_loss.backward()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        note("loss", abs(mean_loss.item() / world - ref_loss.item()))
+        ref_grads = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            got, want = _full(param, param.grad, ref_grads[name].grad)
+            note(f"grad {name}", (got - want).abs().max().item())
+        if clip is not None:
+            norm = clip_grad_norm_(model.parameters(), clip, ctx)
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            note("grad norm", abs(norm.item() - ref_norm.item()))
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ref_optimizer.zero_grad(set_to_none=True)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        got, want = _full(param, param.detach(), ref_params[name].detach())
+        note(f"weight {name}", (got - want).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_tensor_parallel_training_equals_single_device(layout, clip, tmp_path):
+    world, sizes = LAYOUTS[layout]
+    results = run_distributed(_train_and_compare, world, sizes, clip, timeout_s=180, tmp_dir=tmp_path)
+    failures = {
+        f"rank {rank}: {key}": err
+        for rank, worst in enumerate(results)
+        for key, err in worst.items()
+        if err > {"loss": LOSS_TOL, "grad norm": GRAD_TOL}.get(key, GRAD_TOL if key.startswith("grad") else WEIGHT_TOL)
+    }
+    assert not failures, failures
+
+
+def _sequence_not_divisible(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = MoETransformer(_config())
+    parallelize(model, build_parallel_context(ParallelDims(world, tp=2), "cpu"))
+    try:
+        model(torch.zeros(1, 7, dtype=torch.int64))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_sequence_length_must_divide_by_tp(tmp_path):
+    messages = run_distributed(_sequence_not_divisible, 2, tmp_dir=tmp_path)
+    assert all("Sequence length 7 is not divisible by the tensor parallel size 2" in m for m in messages)
