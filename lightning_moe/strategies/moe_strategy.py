@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.layers.moe import MoELayer
+from lightning_moe.models import MoETransformer
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.dispatchers import DISPATCHERS
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
@@ -246,6 +247,7 @@ class MoEStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if not getattr(self.model, "_lightning_moe_parallelized", False):
+            _broadcast_initial_state(self.model)
             parallelize(self.model, self.parallel_context, dispatcher=self.dispatcher)
             self.model._lightning_moe_parallelized = True
         _materialize(self.model, self.root_device)
@@ -401,11 +403,31 @@ class MoEStrategy(ParallelStrategy):
         )
 
 
+def _broadcast_initial_state(model: nn.Module) -> None:
+    """Make every rank start from rank 0's model, as DDP does.
+
+    Replicated parameters must agree across ranks, and expert shards are cut from the same global
+    tensors. Materialised models broadcast their tensors; meta-device models broadcast the seeds
+    (``init_seed`` attributes) their weights will be drawn from.
+    """
+    if dist.get_world_size() == 1:
+        return
+    seeded = [m for m in model.modules() if isinstance(getattr(m, "init_seed", None), int)]
+    seeds = [[m.init_seed for m in seeded]]
+    dist.broadcast_object_list(seeds, src=0)
+    for module, seed in zip(seeded, seeds[0]):
+        module.init_seed = seed
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if not tensor.is_meta:
+                dist.broadcast(tensor.data, src=0)
+
+
 def _materialize(model: nn.Module, device: torch.device) -> None:
     """Give meta-device parameters storage on ``device`` and initialise them.
 
-    MoE layers re-draw every weight from their seed (experts from their global index); other
-    modules use their own ``reset_parameters()``.
+    The reference transformer and MoE layers re-draw every weight of their subtree from their
+    seeds (experts from their global index); other modules use their own ``reset_parameters()``.
     """
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
@@ -414,7 +436,7 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     for module in model.modules():
         if id(module) in covered:
             continue
-        if isinstance(module, MoELayer):
+        if isinstance(module, (MoETransformer, MoELayer)):
             module.reset_parameters()
             covered.update(id(m) for m in module.modules())
         elif callable(getattr(module, "reset_parameters", None)) and any(
