@@ -96,7 +96,7 @@ class MoECheckpointing:
         for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = optim_state["state"]
             param_groups.append(optim_state["param_groups"])
-        dcp.save(tensors, checkpoint_id=path)
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
         if strategy.global_rank == 0:
             checkpoint[_LAYOUT_KEY] = {"layout": self._layout(), "optimizer_param_groups": param_groups}
             torch.save(checkpoint, path / _METADATA_FILENAME)

@@ -1,0 +1,153 @@
+"""`MoELanguageModel`: the LightningModule that trains the reference MoE language model.
+
+Written for one device like any LightningModule; ``Trainer(strategy=MoEStrategy(...))`` makes it
+parallel. It logs what people look at while training a language model: ``train_loss`` (progress
+bar), ``val_loss`` and ``val_ppl`` (perplexity, a torchmetrics metric), the learning rate and
+``tokens_per_sec`` (global tokens consumed per second of wall time).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics.text import Perplexity
+
+from lightning_moe.models import MoETransformer, MoETransformerConfig
+
+__all__ = ["MoELanguageModel", "optimizer_param_groups"]
+
+IGNORE_INDEX = -100
+
+
+def optimizer_param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: matrices (experts included) decay, vectors (norms, biases, expert bias) do not.
+
+    Built from ``named_parameters()`` and checked to cover every trainable parameter exactly once,
+    so no parameter (an expert shard, a router) can silently drop out of optimisation.
+    """
+    decay, no_decay = [], []
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.dim() >= 2 and "embed" not in name else no_decay).append(param)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if len(decay) + len(no_decay) != len(trainable):
+        raise RuntimeError(
+            f"Optimizer groups cover {len(decay) + len(no_decay)} of {len(trainable)} trainable parameters."
+        )
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier: linear warm-up, then cosine decay to ``min_lr_ratio``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class MoELanguageModel(L.LightningModule):
+    """Next-token prediction with a :class:`~lightning_moe.models.MoETransformer`.
+
+    Args:
+        model: the transformer's configuration (a YAML mapping in the CLI).
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay of the matrices.
+        betas: AdamW betas.
+        warmup_steps: linear warm-up steps.
+        min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
+    """
+
+    def __init__(
+        self,
+        model: MoETransformerConfig,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.config = model
+        # Plain containers only, so checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters({
+            "model": asdict(model), "learning_rate": learning_rate, "weight_decay": weight_decay,
+            "betas": list(betas), "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio,
+        })
+        self.model: MoETransformer | None = None
+        self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+        self._step_started: float | None = None
+
+    def configure_model(self) -> None:
+        """Build the transformer (once; on the meta device under ``Trainer.init_module(empty_init=True)``)."""
+        if self.model is None:
+            self.model = MoETransformer(self.config)
+
+    def setup(self, stage: str) -> None:
+        """Check that the data's vocabulary fits the model's."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        data_vocab = getattr(datamodule, "vocab_size", None)
+        if data_vocab is not None and data_vocab > self.config.vocab_size:
+            raise ValueError(
+                f"The tokenizer emits {data_vocab} token ids but model.vocab_size={self.config.vocab_size}; "
+                f"set model.vocab_size >= {data_vocab} (a multiple of 64 keeps tensor parallelism happy)."
+            )
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits ``[B, S, V]`` of ``tokens`` ``[B, S]``."""
+        return self.model(tokens)
+
+    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """Mean next-token cross-entropy of this rank's micro-batch."""
+        inputs, targets = batch
+        loss = self._loss(self(inputs), targets)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        """Validation loss and perplexity, averaged over every rank."""
+        inputs, targets = batch
+        logits = self(inputs)
+        self.log("val_loss", self._loss(logits, targets), prog_bar=True, sync_dist=True)
+        self.val_perplexity(logits.float(), targets)
+        self.log("val_ppl", self.val_perplexity)
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self._step_started is None:
+            return
+        elapsed = time.perf_counter() - self._step_started
+        inputs = batch[0]
+        replicas = self._data_parallel_replicas()
+        self.log("tokens_per_sec", inputs.numel() * replicas / max(elapsed, 1e-9), prog_bar=True)
+
+    def _data_parallel_replicas(self) -> int:
+        strategy = self.trainer.strategy
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if self.trainer.world_size > 1 else None
+        return kwargs["num_replicas"] if kwargs else 1
+
+    def configure_optimizers(self):
+        """AdamW over every parameter (see :func:`optimizer_param_groups`) with warm-up + cosine."""
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            optimizer_param_groups(self, hp.weight_decay), lr=hp.learning_rate, betas=tuple(hp.betas)
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
