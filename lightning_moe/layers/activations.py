@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ACTIVATIONS", "activation_backward", "activation_fn", "is_gated"]
+__all__ = ["ACTIVATIONS", "activation_backward", "activation_fn", "activation_with_cache", "is_gated"]
 
 
 def _swiglu(x: Tensor) -> Tensor:
@@ -61,17 +61,32 @@ def is_gated(name: str) -> bool:
     return _lookup(name)[1]
 
 
-def activation_backward(name: str, h: Tensor, grad_out: Tensor) -> Tensor:
-    """Gradient of ``activation_fn(name)`` at ``h`` given the output gradient ``grad_out``.
+def activation_with_cache(name: str, h: Tensor) -> tuple[Tensor, tuple | None]:
+    """``activation_fn(name)(h)`` and the intermediates :func:`activation_backward` can reuse.
 
-    Written out by hand so expert kernels can recompute it chunk by chunk, in cache, without
-    building an autograd graph per expert.
+    Recomputing the activation in backward then costs almost nothing extra: SwiGLU's sigmoid and
+    SiLU are needed for its gradient anyway.
     """
-    _lookup(name)
     if name == "swiglu":
         gate, up = h.chunk(2, dim=-1)
         sig = torch.sigmoid(gate)
         silu = gate * sig
+        return silu * up, (sig, silu)
+    return activation_fn(name)(h), None
+
+
+def activation_backward(name: str, h: Tensor, grad_out: Tensor, cache: tuple | None = None) -> Tensor:
+    """Gradient of ``activation_fn(name)`` at ``h`` given the output gradient ``grad_out``.
+
+    Written out by hand so expert kernels can recompute it chunk by chunk, in cache, without
+    building an autograd graph per expert. ``cache`` is what :func:`activation_with_cache` returned.
+    """
+    _lookup(name)
+    if name == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        sig, silu = cache if cache is not None else (torch.sigmoid(gate), None)
+        if silu is None:
+            silu = gate * sig
         grad_up = grad_out * silu
         grad_gate = grad_out * up * sig * (1 + gate * (1 - sig))
         return torch.cat([grad_gate, grad_up], dim=-1)

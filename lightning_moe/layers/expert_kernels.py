@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_moe.layers.activations import activation_backward, activation_fn
+from lightning_moe.layers.activations import activation_backward, activation_fn, activation_with_cache
 
 __all__ = ["ExpertMLPFunction", "expert_mlp", "reference_expert_mlp"]
 
@@ -76,7 +76,6 @@ class ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, fc1, fc2, fc2_bias, probs, row_index, fc1_out, act_out = ctx.saved_tensors
-        act = activation_fn(ctx.activation)
         cdt = fc1_out.dtype
         grad_out = grad_out.to(cdt)
         need_x, need_w1, need_w2, need_b, need_p = ctx.needs_input_grad[:5]
@@ -97,7 +96,7 @@ class ExpertMLPFunction(torch.autograd.Function):
             start += n
             dy = grad_out[rows] if row_index is None else grad_out.index_select(0, row_index[rows])
             h = fc1_out[rows]
-            z = act(h) if act_out is None else act_out[rows]
+            z, cache = activation_with_cache(ctx.activation, h) if act_out is None else (act_out[rows], None)
             p = probs[rows].unsqueeze(-1)
             w2 = fc2[e].to(cdt)
             if need_w2:
@@ -112,7 +111,7 @@ class ExpertMLPFunction(torch.autograd.Function):
                 grad_p[rows] = dp.to(probs.dtype)
             if not (need_x or need_w1):
                 continue
-            dh = activation_backward(ctx.activation, h, (da * p).to(cdt))
+            dh = activation_backward(ctx.activation, h, (da * p).to(cdt), cache)
             if need_w1:
                 x_e = x[rows] if row_index is None else x.index_select(0, row_index[rows])
                 torch.mm(dh.t(), x_e.to(cdt), out=grad_fc1[e])
