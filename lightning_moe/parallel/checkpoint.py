@@ -39,6 +39,12 @@ _SAFE_GLOBALS = {
     ("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice")
 } | {
     ("collections", "OrderedDict"),
+    # DCP records the checkpoint path (a pathlib object) in its metadata.
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
     ("torch", "Size"),
     ("torch", "device"),
     ("torch._utils", "_rebuild_tensor_v2"),

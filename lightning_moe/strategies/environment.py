@@ -38,6 +38,16 @@ class ExistingProcessGroupEnvironment(ClusterEnvironment):
         """Unused: the group is connected already."""
         return int(os.environ.get("MASTER_PORT", 0))
 
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """The Trainer's ``devices * num_nodes`` must be the size of the existing group."""
+        world = dist.get_world_size()
+        if num_devices * num_nodes != world:
+            raise ValueError(
+                f"torch.distributed is already initialised with {world} processes, but the Trainer was "
+                f"given devices={num_devices} x num_nodes={num_nodes} = {num_devices * num_nodes}. "
+                f"Set devices={world // max(num_nodes, 1)} (and num_nodes) to match the process group."
+            )
+
     @staticmethod
     def detect() -> bool:
         """True when a default process group exists."""

@@ -214,9 +214,13 @@ class MoEStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        if self.num_processes:
+        if self.num_processes and self.cluster_environment is not None:
+            # Lightning's launcher checks devices x nodes against the environment; with processes
+            # started externally there is no launcher, so check here.
+            if self.cluster_environment.creates_processes_externally:
+                self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
             self.parallel_dims(self.num_nodes * self.num_processes)  # fail at Trainer init, before training
+        rank_zero_only.rank = self.global_rank
 
     def setup_environment(self) -> None:
         """Initialise the process group (if needed) and build the parallel context once."""
@@ -246,10 +250,22 @@ class MoEStrategy(ParallelStrategy):
         """Parallelize and materialise the model, set up gradient sync, optimizers and precision."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        if not getattr(self.model, "_lightning_moe_parallelized", False):
+        layout = (self.parallel_context.dims, self.dispatcher)
+        applied = getattr(self.model, "_lightning_moe_layout", None)
+        if applied is None:
             _broadcast_initial_state(self.model)
             parallelize(self.model, self.parallel_context, dispatcher=self.dispatcher)
-            self.model._lightning_moe_parallelized = True
+            self.model._lightning_moe_layout = layout
+        elif applied != layout:
+
+            def sizes(dims: ParallelDims, dispatcher: str) -> str:
+                return f"TP={dims.tp}, CP={dims.cp}, EP={dims.ep}, ETP={dims.etp}, dispatcher={dispatcher}"
+
+            raise ValueError(
+                f"This LightningModule was already parallelized with {sizes(*applied)} and cannot be "
+                f"re-sharded in place to {sizes(*layout)}. Save a checkpoint and load it into a fresh "
+                "module instead (checkpoints reshard across layouts)."
+            )
         _materialize(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
