@@ -75,11 +75,28 @@ class GroupedExperts(nn.Module):
         self.kernel = kernel
         self.recompute_activation = False
         """Recompute the activation output in backward instead of keeping it (``moe_act`` recompute)."""
+        self._param_tags: dict[str, dict[str, object]] = {}
         fc1_rows = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         factory = {"device": device, "dtype": dtype}
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, fc1_rows, hidden_size, **factory))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **factory))
         self.fc2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory)) if fc2_bias else None
+
+    def tag_parameter(self, name: str, attribute: str, value: object) -> None:
+        """Attach ``attribute`` to parameter ``name`` and keep it attached across conversions.
+
+        ``to_empty`` (meta-device materialisation) and some ``.to()`` calls replace parameter
+        objects; the parallel package's shard descriptions must survive that.
+        """
+        self._param_tags.setdefault(name, {})[attribute] = value
+        setattr(getattr(self, name), attribute, value)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, tags in self._param_tags.items():
+            for attribute, value in tags.items():
+                setattr(getattr(self, name), attribute, value)
+        return self
 
     def extra_repr(self) -> str:
         return (

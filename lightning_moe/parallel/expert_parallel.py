@@ -212,9 +212,8 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
     for name, spec in specs.items():
         full = getattr(experts, name)
         local = _local_slice(full.detach(), spec, nle).clone()
-        param = nn.Parameter(local, requires_grad=full.requires_grad)
-        setattr(param, _SHARD_ATTR, spec)
-        setattr(experts, name, param)
+        setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
+        experts.tag_parameter(name, _SHARD_ATTR, spec)
     experts.num_experts, experts.expert_offset = nle, offset
     experts.ffn_hidden_size //= etp
     experts.ffn_shard = (ctx.rank_in("etp"), etp)
