@@ -48,18 +48,20 @@ class ExpertMLPFunction(torch.autograd.Function):
         n_rows = sum(counts)
         out_rows = n_rows if row_index is None else num_out_rows
         out = torch.zeros(out_rows, fc2.shape[1], dtype=cdt, device=x.device)
-        fc1_out = x.new_empty(n_rows, fc1.shape[1], dtype=cdt)
-        act_out = x.new_empty(n_rows, fc2.shape[2], dtype=cdt) if save_act else None
+        # One buffer per expert rather than one [N, 2F] block: blocks this size come straight from
+        # the OS on every step (page faults), per-expert chunks are recycled by the allocator.
+        fc1_outs, act_outs = [], []
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = slice(start, start + n)
             x_e = x[rows] if row_index is None else x.index_select(0, row_index[rows])
-            h = torch.mm(x_e.to(cdt), fc1[e].to(cdt).t(), out=fc1_out[rows])
+            h = torch.mm(x_e.to(cdt), fc1[e].to(cdt).t())
             z = act(h)
+            fc1_outs.append(h)
             if save_act:
-                act_out[rows] = z
+                act_outs.append(z)
             p = probs[rows].unsqueeze(-1)
             y = torch.mm((z * p).to(cdt), fc2[e].to(cdt).t())
             if fc2_bias is not None:
@@ -69,14 +71,16 @@ class ExpertMLPFunction(torch.autograd.Function):
             else:
                 out.index_add_(0, row_index[rows], y)
             start += n
-        ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, fc1_out, act_out)
-        ctx.counts, ctx.activation = counts, activation
+        ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, *fc1_outs, *act_outs)
+        ctx.counts, ctx.activation, ctx.compute_dtype = counts, activation, cdt
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, fc1, fc2, fc2_bias, probs, row_index, fc1_out, act_out = ctx.saved_tensors
-        cdt = fc1_out.dtype
+        x, fc1, fc2, fc2_bias, probs, row_index, *chunks = ctx.saved_tensors
+        active = sum(1 for n in ctx.counts if n)
+        fc1_outs, act_outs = chunks[:active], chunks[active:] or None
+        cdt = ctx.compute_dtype
         grad_out = grad_out.to(cdt)
         need_x, need_w1, need_w2, need_b, need_p = ctx.needs_input_grad[:5]
         grad_x = torch.zeros(x.shape, dtype=cdt, device=x.device) if need_x else None
@@ -85,7 +89,7 @@ class ExpertMLPFunction(torch.autograd.Function):
         grad_fc2 = torch.empty(fc2.shape, dtype=cdt, device=fc2.device) if need_w2 else None
         grad_b = torch.zeros(fc2_bias.shape, dtype=cdt, device=x.device) if need_b else None
         grad_p = torch.zeros(probs.shape, dtype=probs.dtype, device=x.device) if need_p else None
-        start = 0
+        start = chunk = 0
         for e, n in enumerate(ctx.counts):
             if n == 0:
                 for grad in (grad_fc1, grad_fc2, grad_b):
@@ -94,9 +98,11 @@ class ExpertMLPFunction(torch.autograd.Function):
                 continue
             rows = slice(start, start + n)
             start += n
+            h = fc1_outs[chunk]
+            saved_z = None if act_outs is None else act_outs[chunk]
+            chunk += 1
             dy = grad_out[rows] if row_index is None else grad_out.index_select(0, row_index[rows])
-            h = fc1_out[rows]
-            z, cache = activation_with_cache(ctx.activation, h) if act_out is None else (act_out[rows], None)
+            z, cache = activation_with_cache(ctx.activation, h) if saved_z is None else (saved_z, None)
             p = probs[rows].unsqueeze(-1)
             w2 = fc2[e].to(cdt)
             if need_w2:

@@ -73,8 +73,11 @@ class GroupedExperts(nn.Module):
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
         self.kernel = kernel
-        self.recompute_activation = False
-        """Recompute the activation output in backward instead of keeping it (``moe_act`` recompute)."""
+        self.recompute_activation: bool | None = None
+        """Recompute the activation output in backward instead of keeping it (Megatron's ``moe_act``
+        recompute; saves ``N x F`` elements). None chooses per device: recompute on CPU, where it
+        is also faster (measured in ``benchmarks/moe_layer.py``: the activation is redone in cache
+        while its gradient reuses the same intermediates), keep it on accelerators."""
         self._param_tags: dict[str, dict[str, object]] = {}
         fc1_rows = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         factory = {"device": device, "dtype": dtype}
@@ -129,6 +132,11 @@ class GroupedExperts(nn.Module):
         if self.fc2_bias is not None:
             self.fc2_bias.zero_()
 
+    def _recomputes(self, device: torch.device) -> bool:
+        if self.recompute_activation is None:
+            return device.type == "cpu"
+        return self.recompute_activation
+
     def resolved_kernel(self, device: torch.device) -> str:
         """The kernel ``auto`` stands for on ``device``."""
         if self.kernel != "auto":
@@ -162,7 +170,7 @@ class GroupedExperts(nn.Module):
             return expert_mlp(
                 tokens, self.fc1_weight, self.fc2_weight, probs, tokens_per_expert,
                 activation=self.activation, fc2_bias=self.fc2_bias, row_index=row_index,
-                num_out_rows=num_out_rows, save_activation=not self.recompute_activation,
+                num_out_rows=num_out_rows, save_activation=not self._recomputes(tokens.device),
             )
         rows = tokens if row_index is None else tokens.index_select(0, row_index)
         out = self._grouped_mm(rows, tokens_per_expert, probs)
