@@ -23,12 +23,14 @@ otherwise (measured in ``benchmarks/moe_layer.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.layers.activations import activation_fn, is_gated
-from lightning_moe.layers.expert_kernels import expert_mlp
+from lightning_moe.layers.expert_kernels import ExpertGradWorkspace, expert_mlp, grouped_activation_fc2
 
 __all__ = ["KERNELS", "GroupedExperts", "expert_generator"]
 
@@ -77,8 +79,16 @@ class GroupedExperts(nn.Module):
         """Recompute the activation output in backward instead of keeping it (Megatron's ``moe_act``
         recompute; saves ``N x F`` elements). None chooses per device: recompute on CPU, where it
         is also faster (measured in ``benchmarks/moe_layer.py``: the activation is redone in cache
-        while its gradient reuses the same intermediates), keep it on accelerators."""
+        while its gradient reuses the same intermediates), keep it on accelerators. Both kernels
+        honour it (``grouped_mm`` then keeps only the fc1 output for the activation and fc2)."""
+        self.saved_tensor_tagger: Callable[[str | None, Sequence[Tensor]], None] | None = None
+        """Set by ``lightning_moe.memory`` activation offload: called in ``forward`` with the name of
+        the boundary the given tensors belong to when saved for backward (``"expert_fc1"``: the
+        expert input rows; None: routing metadata such as probs and row indices). Everything else
+        the experts save (the fc1 output and activation products) belongs to ``"moe_act"``."""
         self._param_tags: dict[str, dict[str, object]] = {}
+        self.grad_workspace: ExpertGradWorkspace | None = ExpertGradWorkspace()
+        """Reuse the weight-gradient memory across steps (loop kernel); None allocates fresh each time."""
         fc1_rows = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         factory = {"device": device, "dtype": dtype}
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, fc1_rows, hidden_size, **factory))
@@ -166,13 +176,20 @@ class GroupedExperts(nn.Module):
             ``[N, H]`` (or ``[T, H]`` with ``row_index``).
         """
         kernel = self.resolved_kernel(tokens.device)
+        tag = self.saved_tensor_tagger
+        if tag is not None:
+            tag("expert_fc1", (tokens,))
+            tag(None, (probs,) if row_index is None else (probs, row_index))
         if kernel == "loop":
             return expert_mlp(
                 tokens, self.fc1_weight, self.fc2_weight, probs, tokens_per_expert,
                 activation=self.activation, fc2_bias=self.fc2_bias, row_index=row_index,
                 num_out_rows=num_out_rows, save_activation=not self._recomputes(tokens.device),
+                grad_workspace=self.grad_workspace,
             )
         rows = tokens if row_index is None else tokens.index_select(0, row_index)
+        if tag is not None:
+            tag("expert_fc1", (rows,))
         out = self._grouped_mm(rows, tokens_per_expert, probs)
         if row_index is None:
             return out
@@ -185,15 +202,23 @@ class GroupedExperts(nn.Module):
                 "use kernel='loop'."
             )
         offsets = torch.tensor(tokens_per_expert, device=rows.device).cumsum(0).to(torch.int32)
+        tag = self.saved_tensor_tagger
+        if tag is not None:
+            tag(None, (offsets,))
         p = probs.unsqueeze(-1)
         h = F.grouped_mm(rows, self.fc1_weight.transpose(-2, -1), offs=offsets)
-        z = (activation_fn(self.activation)(h) * p).to(rows.dtype)
-        out = F.grouped_mm(z, self.fc2_weight.transpose(-2, -1), offs=offsets)
+        if self._recomputes(rows.device):
+            out = grouped_activation_fc2(h, probs, self.fc2_weight, offsets, self.activation)
+        else:
+            z = (activation_fn(self.activation)(h) * p).to(rows.dtype)
+            out = F.grouped_mm(z, self.fc2_weight.transpose(-2, -1), offs=offsets)
         if self.fc2_bias is not None:
             expert_of_row = torch.repeat_interleave(
                 torch.arange(self.num_experts, device=rows.device),
                 torch.tensor(tokens_per_expert, device=rows.device),
                 output_size=rows.shape[0],
             )
+            if tag is not None:
+                tag(None, (expert_of_row,))
             out = out + (p * self.fc2_bias[expert_of_row]).to(out.dtype)
         return out

@@ -10,9 +10,11 @@ import pytest
 import torch
 from layers.moe_reference import reference_activation
 
+from lightning_moe import MoEConfig
 from lightning_moe.layers.activations import ACTIVATIONS, is_gated
 from lightning_moe.layers.expert_kernels import expert_mlp, reference_expert_mlp
 from lightning_moe.layers.experts import GroupedExperts
+from lightning_moe.layers.moe import MoELayer
 
 ACTIVATION_NAMES = sorted(ACTIVATIONS)
 # Multiples of 8 so fc1/fc2/activation rows are multiples of 16 bytes in fp32 and bf16 (CPU grouped_mm).
@@ -321,3 +323,54 @@ def test_auto_kernel_is_loop_on_cpu_and_unknown_kernel_raises():
     )
     with pytest.raises(ValueError, match=re.escape("Unknown expert kernel 'triton'")):
         GroupedExperts(2, HIDDEN, FFN, kernel="triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient workspace: the weight-gradient memory is reused across steps, never corrupting grads.
+
+
+def _workspace_layer():
+    torch.manual_seed(0)
+    layer = MoELayer(_ws_config())
+    x = torch.randn(2, 8, 16)
+    return layer, x
+
+
+def _ws_config():
+    return MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+
+
+def _fresh_grads(layer, x):
+    layer.zero_grad(set_to_none=True)
+    layer(x).sum().backward()
+    return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def test_workspace_reuses_weight_gradient_memory_between_steps():
+    layer, x = _workspace_layer()
+    layer(x).sum().backward()
+    first = layer.experts.fc1_weight.grad.data_ptr()
+    layer.zero_grad(set_to_none=True)
+    layer(x).sum().backward()
+    assert layer.experts.fc1_weight.grad.data_ptr() == first
+
+
+def test_workspace_keeps_accumulated_gradients_correct():
+    layer, x = _workspace_layer()
+    once = _fresh_grads(layer, x)
+    layer.zero_grad(set_to_none=True)
+    layer(x).sum().backward()
+    layer(x).sum().backward()  # accumulates into the gradient that lives in the workspace
+    for name, param in layer.named_parameters():
+        torch.testing.assert_close(param.grad, 2 * once[name], rtol=1e-6, atol=1e-7, msg=name)
+    layer.zero_grad(set_to_none=False)  # zeroed in place: the next backward adds to zeros
+    layer(x).sum().backward()
+    for name, param in layer.named_parameters():
+        torch.testing.assert_close(param.grad, once[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_without_workspace_gradients_are_fresh_tensors():
+    layer, x = _workspace_layer()
+    layer.experts.grad_workspace = None
+    with_ws = _workspace_layer()[0]
+    torch.testing.assert_close(_fresh_grads(layer, x), _fresh_grads(with_ws, x))
