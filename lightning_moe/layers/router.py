@@ -6,10 +6,11 @@ code: statistics that Megatron sums over process groups are summed through the c
 is one device). The pure routing functions live in ``routing.py`` and are re-exported here.
 
 Once-per-micro-batch side effects (attaching and logging the losses, expert-bias token counts,
-global aux-loss statistics) happen only when ``self.training and torch.is_grad_enabled()``, so a
-forward run under ``no_grad`` and then recomputed with grad (reentrant activation checkpointing,
-``memory/`` recompute) counts once (DESIGN.md rule 5). Non-reentrant ``torch.utils.checkpoint``
-recomputes with grad enabled and would count twice; recompute these layers the reentrant way.
+global aux-loss statistics, load-balance metric statistics) happen only when
+``self.training and torch.is_grad_enabled()``, so a forward run under ``no_grad`` and then
+recomputed with grad (reentrant activation checkpointing) counts once (DESIGN.md rule 5). A plain
+non-reentrant ``torch.utils.checkpoint`` recomputes with grad enabled and would count twice;
+``lightning_moe.memory``'s recompute restores the buffers around its recomputation instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_moe.layers import losses
 from lightning_moe.layers.config import MoEConfig
+from lightning_moe.layers.router_metrics import METRIC_STAT_NAMES, routing_metric_stats
 from lightning_moe.layers.routing import (
     apply_input_jitter,
     apply_token_dropping,
@@ -105,14 +107,18 @@ class TopKRouter(nn.Module):
     :func:`update_expert_bias` and zeroes it), ``global_tokens_per_expert`` (int64 ``[E]``) and
     ``global_aux_loss_steps`` (int64 scalar) of the global aux loss (``reset_global_aux_loss_state``
     after every global batch), ``logged_loss_sums`` / ``logged_loss_counts`` (read with
-    :meth:`logged_losses`).
+    :meth:`logged_losses`), and the load-balance monitoring statistics ``metric_tokens_per_expert``
+    (int64 ``[E]``), ``metric_dropped``, ``metric_routed``, ``metric_tokens`` (int64) and
+    ``metric_entropy_sum`` (fp32), defined in :mod:`lightning_moe.layers.router_metrics` and read
+    with :meth:`read_metric_stats`. The metric counts are separate from ``local_tokens_per_expert``
+    (which the expert-bias update consumes) so a monitor never disturbs training.
 
     Attributes set by the strategy: ``reduction`` (a :class:`RouterReduction`) and
     ``aux_loss_scale`` (float or 0-dim tensor, the gradient scale of the attached losses, e.g.
     ``CP / num_microbatches`` as in ref. 2.5.4).
     """
 
-    _FP32_BUFFERS = ("expert_bias", "logged_loss_sums")
+    _FP32_BUFFERS = ("expert_bias", "logged_loss_sums", "metric_entropy_sum")
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -132,6 +138,10 @@ class TopKRouter(nn.Module):
         self.register_buffer(
             "logged_loss_counts", torch.zeros(num_names, dtype=torch.int64), persistent=False
         )
+        for name in METRIC_STAT_NAMES:
+            shape = (num_experts,) if name == "tokens_per_expert" else ()
+            dtype = torch.float32 if name == "entropy_sum" else torch.int64
+            self.register_buffer(f"metric_{name}", torch.zeros(shape, dtype=dtype), persistent=False)
         self.reduction = RouterReduction()
         self.aux_loss_scale: float | Tensor = 1.0
         self.reset_parameters()
@@ -190,6 +200,20 @@ class TopKRouter(nn.Module):
             self.logged_loss_sums.zero_()
             self.logged_loss_counts.zero_()
         return means
+
+    def read_metric_stats(self, reset: bool = True) -> dict[str, Tensor]:
+        """Load-balance statistics accumulated since the last reset, keyed by ``METRIC_STAT_NAMES``.
+
+        Copies of the ``metric_*`` buffers (device tensors, no host synchronisation): ``tokens_per_expert``
+        int64 ``[E]``, ``dropped``, ``routed``, ``tokens`` int64 and ``entropy_sum`` fp32 scalars,
+        summed over the training micro-batches recorded (definitions in
+        :mod:`lightning_moe.layers.router_metrics`). ``reset`` zeroes the buffers afterwards.
+        """
+        stats = {name: getattr(self, f"metric_{name}").clone() for name in METRIC_STAT_NAMES}
+        if reset:
+            for name in METRIC_STAT_NAMES:
+                getattr(self, f"metric_{name}").zero_()
+        return stats
 
     def _record(self, name: str, value: Tensor) -> None:
         index = LOGGED_LOSS_NAMES.index(name)
@@ -253,6 +277,7 @@ class TopKRouter(nn.Module):
             scaling_factor=config.topk_scaling_factor,
             expert_bias=self.expert_bias,
         )
+        selected_map = routing_map
         if config.capacity_factor is not None:
             capacity = expert_capacity(
                 logits.shape[0] * config.top_k, config.num_experts, config.capacity_factor
@@ -266,6 +291,11 @@ class TopKRouter(nn.Module):
             with torch.no_grad():
                 counted = routing_map if padding_mask is None else routing_map & (~padding_mask).unsqueeze(-1)
                 self.local_tokens_per_expert += counted.sum(dim=0)
+            stats = routing_metric_stats(
+                logits, selected_map, routing_map, config.top_k, config.score_func, padding_mask
+            )
+            for name, value in stats.items():
+                getattr(self, f"metric_{name}").add_(value)
         return probs, routing_map
 
     def _attach_z_loss(self, logits: Tensor, padding_mask: Tensor | None) -> Tensor:
