@@ -114,6 +114,12 @@ class MoEStrategy(ParallelStrategy):
                 f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not supported yet; "
                 "use pipeline_parallel_size=1 (fold the ranks into data or expert parallelism instead)."
             )
+        if context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size={context_parallel_size}: context parallelism of attention is not "
+                "supported yet (the ranks of a CP group would see the same tokens twice); use "
+                "context_parallel_size=1."
+            )
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"Unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}.")
         if start_method not in _SUPPORTED_START_METHODS:
@@ -250,6 +256,7 @@ class MoEStrategy(ParallelStrategy):
         """Parallelize and materialise the model, set up gradient sync, optimizers and precision."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        _check_tensor_parallel_support(self.model, self.parallel_context.size("tp"))
         layout = (self.parallel_context.dims, self.dispatcher)
         applied = getattr(self.model, "_lightning_moe_layout", None)
         if applied is None:
@@ -271,6 +278,7 @@ class MoEStrategy(ParallelStrategy):
         self.model_to_device()
         self._set_aux_loss_scale(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._add_expert_bias_updater(trainer)
             if self._grad_sync is None:
                 self._grad_sync = GradSync(self.model, self.parallel_context, self.bucket_size_mb)
             self._reset_optimizers_and_schedulers()
@@ -292,6 +300,22 @@ class MoEStrategy(ParallelStrategy):
         for layer in self.model.modules():
             if isinstance(layer, MoELayer):
                 layer.router.aux_loss_scale = scale
+
+    def _add_expert_bias_updater(self, trainer) -> None:
+        # Expert biases and the global aux loss need an end-of-global-batch update (reference
+        # sections 2.7, 2.5.3); add the callback unless the user passed one. Imported here so
+        # that strategies/ and callbacks/ may import each other's packages.
+        from lightning_moe.callbacks.expert_bias import ExpertBiasUpdater
+        from lightning_moe.parallel.expert_bias import needs_global_batch_updates
+
+        if any(isinstance(cb, ExpertBiasUpdater) for cb in trainer.callbacks):
+            return
+        if needs_global_batch_updates(self.model):
+            trainer.callbacks.append(ExpertBiasUpdater())
+            rank_zero_info(
+                "MoEStrategy: added the ExpertBiasUpdater callback (a router uses the expert bias or the "
+                "global aux loss); pass your own instance in Trainer(callbacks=...) to configure it."
+            )
 
     def model_to_device(self) -> None:
         """Move every remaining parameter and buffer to this rank's device."""
@@ -416,6 +440,25 @@ class MoEStrategy(ParallelStrategy):
         """Register ``"moe"`` (all sizes 1; set them through the class in code or YAML)."""
         strategy_registry.register(
             cls.strategy_name, cls, description="Folded expert/tensor/data parallelism for MoE models"
+        )
+
+
+def _check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
+    """TP > 1 needs a tensor-parallel plan for every MoE layer's surroundings.
+
+    The ranks of a TP group get the same samples; the reference :class:`MoETransformer` splits
+    each sequence over them (sequence parallelism). A MoE layer outside it would route the same
+    tokens on every TP rank and its gradients would count them TP times.
+    """
+    if tp == 1:
+        return
+    inside = {id(m) for t in model.modules() if isinstance(t, MoETransformer) for m in t.modules()}
+    outside = [name for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in inside]
+    if outside:
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs a model lightning_moe can shard over tensor parallelism "
+            f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
+            "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
         )
 
 
