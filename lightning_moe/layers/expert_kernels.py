@@ -23,6 +23,8 @@ On CUDA the per-expert loop is kept for correctness; the grouped GEMM path in
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -104,6 +106,9 @@ class ExpertMLPFunction(torch.autograd.Function):
             start += n
         ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, *fc1_outs, *act_outs)
         ctx.counts, ctx.activation, ctx.compute_dtype, ctx.workspace = counts, activation, cdt, workspace
+        # The parameters themselves (weakly): saved-tensor hooks hand backward other tensor
+        # objects, whose .grad says nothing about the gradient being accumulated.
+        ctx.weights = (weakref.ref(fc1), weakref.ref(fc2))
         return out.to(x.dtype)
 
     @staticmethod
@@ -116,8 +121,9 @@ class ExpertMLPFunction(torch.autograd.Function):
         need_x, need_w1, need_w2, need_b, need_p = ctx.needs_input_grad[:5]
         grad_x = torch.zeros(x.shape, dtype=cdt, device=x.device) if need_x else None
         # Weight gradients are written expert by expert; only experts without rows need zeros.
-        grad_fc1 = _weight_grad(ctx.workspace, "fc1", fc1, cdt) if need_w1 else None
-        grad_fc2 = _weight_grad(ctx.workspace, "fc2", fc2, cdt) if need_w2 else None
+        live_fc1, live_fc2 = (ref() for ref in ctx.weights)
+        grad_fc1 = _weight_grad(ctx.workspace, "fc1", fc1 if live_fc1 is None else live_fc1, cdt) if need_w1 else None
+        grad_fc2 = _weight_grad(ctx.workspace, "fc2", fc2 if live_fc2 is None else live_fc2, cdt) if need_w2 else None
         grad_b = torch.zeros(fc2_bias.shape, dtype=cdt, device=x.device) if need_b else None
         grad_p = torch.zeros(probs.shape, dtype=probs.dtype, device=x.device) if need_p else None
         start = chunk = 0

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Attention", "RMSNorm", "apply_rotary", "rotary_cos_sin"]
+__all__ = ["Attention", "CoreAttention", "RMSNorm", "apply_rotary", "rotary_cos_sin"]
 
 
 class RMSNorm(nn.Module):
@@ -71,14 +71,27 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
 
 
+class CoreAttention(nn.Module):
+    """Causal ``scaled_dot_product_attention`` with GQA: ``q`` ``[B, heads, S, D]``, ``k``/``v``
+    ``[B, kv_heads, S, D]`` -> ``[B, heads, S, D]``.
+
+    No parameters; a module of its own so the attention kernel is a named boundary
+    (``layers.{i}.attn.core_attn``) for recompute and activation offload (Megatron's ``core_attn``).
+    """
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     """Causal multi-head / grouped-query self-attention with rotary embeddings and optional qk-norm.
 
     Projections (``nn.Linear``, no bias; weights ``[out, in]``): ``q_proj`` ``[heads*D, H]``,
     ``k_proj`` and ``v_proj`` ``[kv_heads*D, H]``, ``o_proj`` ``[H, heads*D]``; with qk-norm,
     ``q_norm`` and ``k_norm`` are :class:`RMSNorm` over one head (``[D]``), applied before the
-    rotation as in Qwen3. Attention itself is ``scaled_dot_product_attention(is_causal=True)``
-    with GQA (each kv head serves ``heads // kv_heads`` consecutive query heads).
+    rotation as in Qwen3. Attention itself is ``core_attn`` (:class:`CoreAttention`,
+    ``scaled_dot_product_attention(is_causal=True)``) with GQA (each kv head serves
+    ``heads // kv_heads`` consecutive query heads).
     """
 
     def __init__(
@@ -99,6 +112,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.core_attn = CoreAttention()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Attend causally over ``x`` ``[B, S, H]`` with rotary tables ``[S, D]``; returns ``[B, S, H]``."""
@@ -111,6 +125,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads or kv_heads, S, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core_attn(q, k, v)
         out = out.transpose(1, 2).reshape(batch, seq, -1)  # [B, S, heads*D]
         return self.o_proj(out)

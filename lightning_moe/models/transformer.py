@@ -6,7 +6,8 @@ parallelism by a plan over the module names below). Module names are a stable pu
 
     embed                      nn.Embedding [V, H]
     layers.{i}.attn_norm       RMSNorm [H]
-    layers.{i}.attn            Attention: q_proj, k_proj, v_proj, o_proj (nn.Linear), q_norm, k_norm
+    layers.{i}.attn            Attention: q_proj, k_proj, v_proj, o_proj (nn.Linear), q_norm, k_norm,
+                               core_attn (CoreAttention, no parameters)
     layers.{i}.ffn_norm        RMSNorm [H]
     layers.{i}.ffn             MoELayer (MoE layers) or DenseMLP: gate_proj, up_proj, down_proj
     norm                       RMSNorm [H]
