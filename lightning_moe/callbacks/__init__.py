@@ -1,0 +1,9 @@
+"""Thin Lightning callbacks over the core packages (``metrics/``, ``memory/``, ``graphs/``)."""
+
+from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture
+from lightning_moe.callbacks.expert_bias import ExpertBiasUpdater
+from lightning_moe.callbacks.load_balance import LoadBalanceMonitor
+from lightning_moe.callbacks.offload import ActivationOffload
+from lightning_moe.callbacks.recompute import SelectiveRecompute
+
+__all__ = ["ActivationOffload", "CUDAGraphCapture", "ExpertBiasUpdater", "LoadBalanceMonitor", "SelectiveRecompute"]
