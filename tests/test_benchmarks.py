@@ -1,0 +1,87 @@
+"""Smoke tests of the benchmark scripts: they run end to end at tiny settings and print their tables.
+
+Each script runs in a subprocess, as a user would run it; timings are not checked (noisy
+machine), only the exit status, the rows of the markdown tables and that the ``--output`` file
+holds what was printed. Hugging Face rows are expected only where ``transformers`` (the ``bench``
+extra) is installed; otherwise the script must list them as skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None  # found, not imported: collection stays fast
+
+
+def _run(script: str, *args: str, timeout: float = 180) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout,
+        cwd=BENCHMARKS.parent,
+    )
+    assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """Markdown table rows by their first cell (header and separator rows excluded)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and not line.startswith("|---") and cells[0] not in ("case", "run"):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _ratio(cell: str) -> float:
+    match = re.fullmatch(r"([0-9.]+)x.*", cell)
+    assert match, cell
+    return float(match.group(1))
+
+
+def test_moe_layer_smoke(tmp_path):
+    output = tmp_path / "moe_layer.md"
+    out = _run("moe_layer.py", "--configs", "S", "--rounds", "1", "--peers", "none", "--dtypes", "fp32",
+               "--output", str(output))
+    assert "### S fp32: tokens 2048, hidden 512" in out
+    rows = _rows(out)
+    expected = [
+        "floor: 9 grouped_mm GEMMs", "floor: 9 bmm GEMMs [E, N/E, *]", "lightning_moe MoELayer",
+        "lightning_moe MoELayer [kernel=grouped_mm]", "overhead: lightning_moe router + permutation",
+    ]
+    assert list(rows) == expected, list(rows)
+    assert rows["floor: 9 grouped_mm GEMMs"][2] == "1.000x"  # every ratio is to this floor
+    for name in expected:
+        assert _ratio(rows[name][2]) > 0, name
+        assert "routing:" in rows[name][-1], name
+    assert output.read_text().strip() == out.strip()
+
+
+@pytest.mark.distributed  # the script forks 2 gloo ranks per multi-process run
+def test_train_throughput_smoke(tmp_path):
+    output = tmp_path / "train_throughput.md"
+    out = _run("train_throughput.py", "--steps", "2", "--warmup", "1", "--layers", "1", "--hidden", "64",
+               "--ffn", "64", "--seq", "32", "--batch", "2", "--output", str(output))
+    rows = _rows(out)
+    ours = ["ours-1", "ours-ddp2", "ours-ep2"]
+    hf = ["hf-1", "hf-ddp2"]
+    if HAS_TRANSFORMERS:
+        assert list(rows) == ["ours-1", "hf-1", "ours-ddp2", "hf-ddp2", "ours-ep2"], list(rows)
+        assert "DDPStrategy" in rows["hf-ddp2"][-1]
+        assert rows["ours-ddp2"][-2].endswith("vs hf-ddp2") and rows["ours-1"][-2].endswith("vs hf-1")
+    else:
+        assert list(rows) == ours, list(rows)
+        assert all(f"{case} (transformers is not installed" in out for case in hf)
+    for case in rows:
+        tokens_per_s = float(rows[case][1].replace(",", ""))
+        assert tokens_per_s > 0, (case, rows[case])
+        assert re.fullmatch(r"[0-9]+\.[0-9]%", rows[case][5]), (case, rows[case])  # MFU (0.0% when heavily loaded)
+    assert output.read_text().strip() in out
