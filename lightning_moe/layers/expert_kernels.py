@@ -36,7 +36,12 @@ __all__ = ["ExpertGradWorkspace", "ExpertMLPFunction", "GroupedActivationFc2Func
 
 
 def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    # CPUs without bf16 units run bf16 GEMMs ~28x slower than fp32: compute each GEMM in fp32.
+    """The dtype the expert GEMMs run in: the autocast dtype when autocast is on, else the input's.
+
+    On CPU half precision is computed in fp32: CPUs without bf16 units run bf16 GEMMs ~28x slower.
+    """
+    if torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return dtype
@@ -75,9 +80,10 @@ class ExpertMLPFunction(torch.autograd.Function):
     """Autograd function behind :func:`expert_mlp`; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, fc1, fc2, fc2_bias, probs, counts, row_index, num_out_rows, activation, save_act, workspace):
+    def forward(
+        ctx, x, fc1, fc2, fc2_bias, probs, counts, row_index, num_out_rows, activation, save_act, workspace, cdt
+    ):
         act = activation_fn(activation)
-        cdt = _compute_dtype(x.dtype, x.device)
         n_rows = sum(counts)
         out_rows = n_rows if row_index is None else num_out_rows
         out = torch.zeros(out_rows, fc2.shape[1], dtype=cdt, device=x.device)
@@ -171,7 +177,7 @@ class ExpertMLPFunction(torch.autograd.Function):
         return (
             cast(grad_x, x), cast(grad_fc1, fc1), cast(grad_fc2, fc2),
             cast(grad_b, fc2_bias) if fc2_bias is not None else None, grad_p,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )
 
 
@@ -218,10 +224,13 @@ def expert_mlp(
         raise ValueError(f"counts has {len(counts)} entries for {fc1.shape[0]} experts.")
     if row_index is not None and num_out_rows is None:
         raise ValueError("row_index needs num_out_rows, the number of tokens to combine into.")
-    return ExpertMLPFunction.apply(
-        x, fc1, fc2, fc2_bias, probs, list(counts), row_index, num_out_rows, activation, save_activation,
-        grad_workspace,
-    )
+    # The function chooses its compute dtype itself (autocast included, see _compute_dtype) and
+    # casts explicitly; autocast inside it would mix dtypes in its in-place accumulations.
+    with torch.autocast(x.device.type, enabled=False):
+        return ExpertMLPFunction.apply(
+            x, fc1, fc2, fc2_bias, probs, list(counts), row_index, num_out_rows, activation, save_activation,
+            grad_workspace, _compute_dtype(x.dtype, x.device),
+        )
 
 
 def reference_expert_mlp(x, fc1, fc2, probs, counts, activation="swiglu", fc2_bias=None):

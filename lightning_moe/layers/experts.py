@@ -147,11 +147,19 @@ class GroupedExperts(nn.Module):
             return device.type == "cpu"
         return self.recompute_activation
 
-    def resolved_kernel(self, device: torch.device) -> str:
-        """The kernel ``auto`` stands for on ``device``."""
+    def resolved_kernel(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
+        """The kernel ``auto`` stands for on ``device`` for inputs of ``dtype`` (default: the weights').
+
+        CUDA's grouped GEMM takes bf16 (autocast included); everything else runs the loop kernel.
+        """
         if self.kernel != "auto":
             return self.kernel
-        return "grouped_mm" if device.type == "cuda" and _HAS_GROUPED_MM else "loop"
+        if device.type != "cuda" or not _HAS_GROUPED_MM:
+            return "loop"
+        dtype = dtype or self.fc1_weight.dtype
+        if torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+        return "grouped_mm" if dtype == torch.bfloat16 else "loop"
 
     def forward(
         self,
@@ -175,7 +183,7 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[N, H]`` (or ``[T, H]`` with ``row_index``).
         """
-        kernel = self.resolved_kernel(tokens.device)
+        kernel = self.resolved_kernel(tokens.device, tokens.dtype)
         tag = self.saved_tensor_tagger
         if tag is not None:
             tag("expert_fc1", (tokens,))

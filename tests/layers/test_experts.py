@@ -374,3 +374,22 @@ def test_without_workspace_gradients_are_fresh_tensors():
     layer.experts.grad_workspace = None
     with_ws = _workspace_layer()[0]
     torch.testing.assert_close(_fresh_grads(layer, x), _fresh_grads(with_ws, x))
+
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
+def test_moe_layer_under_cpu_autocast_matches_fp32(kernel):
+    """``precision="bf16-mixed"`` runs the layer under autocast: the loop kernel computes in fp32
+    on CPU (its own dtype policy) and must not mix dtypes in its accumulations."""
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2), expert_kernel=kernel)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    want = layer(x)
+    want.sum().backward()
+    want_grad = x.grad.clone()
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)
+    got.float().sum().backward()
+    # bf16 autocast of the router/shared parts only (experts in fp32 on CPU): bf16 tolerance.
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(x.grad, want_grad, rtol=2e-2, atol=2e-3)

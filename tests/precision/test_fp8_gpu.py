@@ -32,9 +32,9 @@ from lightning_moe.precision import (
 from lightning_moe.precision.torch_fp8 import E4M3, E5M2
 from lightning_moe.precision.torch_fp8_experts import resolve_impl
 
-# Same quantised operands on both sides; the difference is the GEMM's bf16 output rounding and
-# (forward) Hopper's fast accumulation: a few bf16 ulps.
-KERNEL_RTOL = 2e-2
+# Same quantised operands on both sides; the difference is the GEMM's bf16 output rounding (2^-9)
+# and, in the forward GEMM, Hopper's fast accumulation: compared norm-wise.
+KERNEL_REL_TOL = 1e-2
 # e4m3 GEMMs against bf16: 3 mantissa bits (see tests/precision/test_fp8_rules.py).
 FP8_REL_TOL = 0.08
 # FP8 training tracks bf16 training of the same model and data: relative gap of the losses
@@ -62,7 +62,7 @@ def test_cuda_scaled_mm_equals_the_dequantised_product(rowwise, b_dtype):
     qa, sa = quantize(a, E4M3, dim)
     qb, sb = quantize(b, b_dtype, dim)
     expected = (qa.float() * sa) @ (qb.float() * sb).t()
-    torch.testing.assert_close(out, expected, rtol=KERNEL_RTOL, atol=KERNEL_RTOL)
+    assert _rel(out, expected) < KERNEL_REL_TOL
 
 
 @pytest.mark.gpu
@@ -89,7 +89,7 @@ def test_cuda_grouped_gemms_equal_the_emulation(impl, counts, wgrad_fp8):
         out.backward(grad)
         results[name] = (out.detach(), x.grad.clone(), weight.grad.clone())
     for label, real, emulated in zip(("out", "dgrad", "wgrad"), results[impl], results["emulate"]):
-        torch.testing.assert_close(real.float(), emulated.float(), rtol=KERNEL_RTOL, atol=KERNEL_RTOL, msg=label)
+        assert _rel(real, emulated) < KERNEL_REL_TOL, label
 
 
 @pytest.mark.gpu
