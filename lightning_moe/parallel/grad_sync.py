@@ -17,8 +17,11 @@ Reduction overlaps the backward pass: a post-accumulate-grad hook marks each par
 a bucket is launched (asynchronously) as soon as it and every bucket before it are ready, so all
 ranks launch collectives in the same order whatever order their hooks fire in. Inside
 :meth:`GradSync.no_sync` (gradient accumulation) nothing is launched; :meth:`GradSync.finish`
-launches what is left, waits, and writes the reduced gradients back. A parameter without a
-gradient on this rank contributes zeros (and receives the sum of the others).
+launches what is left, waits, and writes the reduced gradients back. ``finish`` does nothing when
+no gradient arrived since the last one, so calling it twice never reduces twice. With
+``overlap=False`` (manual optimization, where several backward passes may precede one step)
+every reduction waits for ``finish``. A parameter without a gradient on this rank contributes
+zeros; one without a gradient on any rank keeps ``grad=None`` (a flag travels with each bucket).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def _local_grad(param: Tensor, tp_size: int) -> Tensor:
 class _Bucket:
     params: list[nn.Parameter]
     group_name: str
+    dtype: torch.dtype
     ready: set[int] = field(default_factory=set)
     flat: Tensor | None = None
     handle: object | None = None
@@ -81,10 +85,15 @@ class _Bucket:
 class GradSync:
     """Bucketed, overlapped gradient reduction of one module over the groups of a `ParallelContext`."""
 
-    def __init__(self, module: nn.Module, ctx: ParallelContext, bucket_size_mb: float = 25.0) -> None:
+    def __init__(
+        self, module: nn.Module, ctx: ParallelContext, bucket_size_mb: float = 25.0, overlap: bool = True
+    ) -> None:
         self.ctx = ctx
         self.scale = 1.0 / (ctx.size("dp") * ctx.size("cp"))
+        self.overlap = overlap
+        """Launch buckets during backward (False: everything in :meth:`finish`)."""
         self._sync_enabled = True
+        self._pending = False
         self._next_launch = 0
         self.buckets = self._make_buckets(module, int(bucket_size_mb * 2**20))
         self._bucket_of = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
@@ -98,18 +107,18 @@ class GradSync:
         # Reverse registration order approximates the order in which backward produces gradients.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         buckets: list[_Bucket] = []
-        open_by_group: dict[str, _Bucket] = {}
-        sizes: dict[str, int] = {}
+        open_buckets: dict[tuple[str, torch.dtype], _Bucket] = {}
+        sizes: dict[tuple[str, torch.dtype], int] = {}
         for p in params:
-            name = reduce_group_name(p)
+            key = (reduce_group_name(p), _local(p).dtype)  # one group and one dtype per flat buffer
             nbytes = _local(p).numel() * _local(p).element_size()
-            bucket = open_by_group.get(name)
-            if bucket is None or sizes[name] + nbytes > cap_bytes:
-                bucket = _Bucket([], name)
+            bucket = open_buckets.get(key)
+            if bucket is None or sizes[key] + nbytes > cap_bytes:
+                bucket = _Bucket([], *key)
                 buckets.append(bucket)
-                open_by_group[name], sizes[name] = bucket, 0
+                open_buckets[key], sizes[key] = bucket, 0
             bucket.params.append(p)
-            sizes[name] += nbytes
+            sizes[key] += nbytes
         return buckets
 
     @contextmanager
@@ -127,7 +136,8 @@ class GradSync:
         return self._sync_enabled
 
     def _on_grad_ready(self, param: Tensor) -> None:
-        if not self._sync_enabled:
+        self._pending = True
+        if not (self._sync_enabled and self.overlap):
             return
         i, j = self._bucket_of[id(param)]
         self.buckets[i].ready.add(j)
@@ -140,14 +150,23 @@ class GradSync:
         tp = self.ctx.size("tp")
         for p in bucket.params:
             local = _local(p)
-            pieces.append(torch.zeros(local.numel(), dtype=local.dtype, device=local.device)
-                          if p.grad is None else _local_grad(p, tp).reshape(-1))
-        bucket.flat = torch.cat(pieces).mul_(self.scale)
+            pieces.append(torch.zeros(local.numel(), dtype=bucket.dtype, device=local.device)
+                          if p.grad is None else _local_grad(p, tp).reshape(-1).to(bucket.dtype))
+        # One flag per parameter after the gradients: how many ranks had a gradient for it.
+        flags = torch.tensor([p.grad is not None for p in bucket.params], dtype=bucket.dtype, device=pieces[0].device)
+        bucket.flat = torch.cat([*pieces, flags])
+        bucket.flat[: bucket.flat.numel() - flags.numel()].mul_(self.scale)
         if self.ctx.size(bucket.group_name) > 1:
             bucket.handle = dist.all_reduce(bucket.flat, group=self.ctx.group(bucket.group_name), async_op=True)
 
     def finish(self) -> None:
-        """Launch the remaining buckets, wait for all of them and write the reduced gradients back."""
+        """Launch the remaining buckets, wait for all of them and write the reduced gradients back.
+
+        A no-op when no gradient arrived since the last call (every rank must agree on that: call
+        it on all ranks after the same backward passes).
+        """
+        if not self._pending:
+            return
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
@@ -155,10 +174,13 @@ class GradSync:
             if bucket.handle is not None:
                 bucket.handle.wait()
             offset = 0
-            for p in bucket.params:
+            flags = bucket.flat[bucket.flat.numel() - len(bucket.params) :].tolist()
+            for p, had_grad in zip(bucket.params, flags):
                 local = _local(p)
-                reduced = bucket.flat[offset : offset + local.numel()].view_as(local)
+                reduced = bucket.flat[offset : offset + local.numel()].view_as(local).to(local.dtype)
                 offset += local.numel()
+                if not had_grad:
+                    continue  # no rank produced a gradient: keep None, as the optimizer expects
                 if isinstance(p, DTensor):
                     # Replace the gradient: its layout may have differed (Partial, Replicate) from the parameter's.
                     p.grad = DTensor.from_local(reduced.clone(), p.device_mesh, p.placements, run_check=False)
@@ -169,6 +191,7 @@ class GradSync:
             bucket.ready.clear()
             bucket.flat = bucket.handle = None
         self._next_launch = 0
+        self._pending = False
 
     def remove_hooks(self) -> None:
         """Detach from the module's parameters."""

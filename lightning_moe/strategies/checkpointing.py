@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.parallel.checkpoint import (
@@ -116,18 +116,28 @@ class MoECheckpointing:
             torch.save(checkpoint, path)
         self.strategy.barrier()
 
-    def load(self, path: Path) -> dict[str, Any]:
-        """Load ``path`` into the live model and optimizers; return Lightning's remaining metadata."""
+    def load(self, path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load ``path`` into the live model and optimizers; return Lightning's remaining metadata.
+
+        ``weights_only=False`` (trusted checkpoints only) lets the metadata hold arbitrary objects,
+        e.g. hyperparameters that are dataclasses; DCP's shards are always read with the allowlist.
+        """
         model = self.strategy.lightning_module
         strict = getattr(model, "strict_loading", True)
+        safe = weights_only is not False
         if path.is_file():
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(path, map_location="cpu", weights_only=safe)
             model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
             checkpoint.pop(_LAYOUT_KEY, None)
+            if self.strategy.optimizers:
+                rank_zero_warn(
+                    f"{path} is a consolidated checkpoint: it holds the model weights only, so the optimizer "
+                    "starts from a fresh state. Resume from a sharded checkpoint to keep it."
+                )
             return checkpoint
         if not (path / _METADATA_FILENAME).is_file():
             raise FileNotFoundError(f"{path} is not a sharded lightning_moe checkpoint (no {_METADATA_FILENAME}).")
-        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=True)
+        meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=safe)
         saved = meta.pop(_LAYOUT_KEY, {})
         self._report_layout_change(saved.get("layout"))
         optimizers = [_raw(o) for o in self.strategy.optimizers]

@@ -280,7 +280,12 @@ class MoEStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._add_expert_bias_updater(trainer)
             if self._grad_sync is None:
-                self._grad_sync = GradSync(self.model, self.parallel_context, self.bucket_size_mb)
+                # Manual optimization may run several backward passes before one step: reduce at
+                # the step (or on clipping / finish_grad_sync) instead of during backward.
+                self._grad_sync = GradSync(
+                    self.model, self.parallel_context, self.bucket_size_mb,
+                    overlap=trainer.lightning_module.automatic_optimization,
+                )
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             self._patch_gradient_clipping()
@@ -345,14 +350,31 @@ class MoEStrategy(ParallelStrategy):
 
     def post_backward(self, closure_loss: Tensor) -> None:
         """Finish the overlapped reduction after a backward that is not being accumulated."""
-        if self._grad_sync is not None and self._grad_sync.sync_enabled:
-            self._grad_sync.finish()
+        sync = self._grad_sync
+        if sync is not None and sync.sync_enabled and sync.overlap:
+            sync.finish()
 
     def finish_grad_sync(self) -> None:
-        """Reduce whatever gradients are pending (manual optimization calls it before stepping
-        after accumulating under :meth:`no_sync`)."""
+        """Reduce the gradients accumulated since the last reduction (idempotent).
+
+        Manual optimization needs no call: the strategy reduces right before ``optimizer.step()``
+        and before clipping. Call it to read reduced gradients earlier, e.g. to log them.
+        """
         if self._grad_sync is not None:
             self._grad_sync.finish()
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """Step after the gradients of the closure's backward (or of manual backward passes) are reduced."""
+        if self._grad_sync is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        inner = closure
+
+        def reduced_closure():
+            result = inner()
+            self.finish_grad_sync()  # a no-op when post_backward already reduced
+            return result
+
+        return super().optimizer_step(optimizer, reduced_closure, model, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip all gradients by their global norm over every shard; returns the norm before clipping."""
@@ -368,6 +390,7 @@ class MoEStrategy(ParallelStrategy):
         strategy = self
 
         def clip_grad_by_norm(optimizer, clip_val):
+            strategy.finish_grad_sync()  # manual optimization may clip before stepping
             params = [p for group in optimizer.param_groups for p in group["params"]]
             clip_grad_norm_(params, float(clip_val), strategy.parallel_context)
 
@@ -416,8 +439,12 @@ class MoEStrategy(ParallelStrategy):
         self.checkpointing.save(checkpoint, Path(self.broadcast(str(filepath))))
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory (any layout) or a single file into the model and optimizers."""
-        return self.checkpointing.load(Path(self.broadcast(str(checkpoint_path))))
+        """Load a sharded directory (any layout) or a single file into the model and optimizers.
+
+        ``weights_only`` (Lightning's flag) governs the pickled metadata: None or True allows only
+        plain containers and tensors; False, for checkpoints you trust, allows any object.
+        """
+        return self.checkpointing.load(Path(self.broadcast(str(checkpoint_path))), weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` loaded the weights in place."""
