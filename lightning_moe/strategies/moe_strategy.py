@@ -44,11 +44,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.dispatchers import DISPATCHERS
+from lightning_moe.parallel.expert_parallel import is_expert_param
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
@@ -513,7 +515,8 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     """Give meta-device parameters storage on ``device`` and initialise them.
 
     The reference transformer and MoE layers re-draw every weight of their subtree from their
-    seeds (experts from their global index); other modules use their own ``reset_parameters()``.
+    seeds (experts from their global index); other modules use their own ``reset_parameters()``,
+    which draw from each rank's own RNG, so the replicated tensors are then broadcast from rank 0.
     """
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
@@ -529,3 +532,9 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
             True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))
         ):
             module.reset_parameters()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                # Expert shards differ per rank and DTensors were drawn from seeds: leave both.
+                if not is_expert_param(tensor) and not isinstance(tensor, DTensor):
+                    dist.broadcast(tensor.data, src=0)
