@@ -267,6 +267,22 @@ def _check_parity_case(rank: int, world: int, ctx, case: Case) -> list:
             stats.combine_bytes,
             (etp_combine + remote_combine) * HIDDEN * FP32_BYTES,
         )
+        # Received: the dispatch brings remote assignments and the ETP peers' rows; the combine
+        # brings the ETP peers' partial sums of this rank's rows and this rank's own rows home.
+        _exact(
+            rows,
+            name,
+            "stats.dispatch_bytes_received",
+            stats.dispatch_bytes_received,
+            (remote_combine + etp_combine) * (HIDDEN * FP32_BYTES + FP32_BYTES),
+        )
+        _exact(
+            rows,
+            name,
+            "stats.combine_bytes_received",
+            stats.combine_bytes_received,
+            (etp_dispatch + remote) * HIDDEN * FP32_BYTES,
+        )
     else:
         group_tokens = [counts[r] for r in ctx.ranks("etp_ep")]
         peers = len(group_tokens) - 1
@@ -285,6 +301,20 @@ def _check_parity_case(rank: int, world: int, ctx, case: Case) -> list:
             "stats.combine_bytes",
             stats.combine_bytes,
             (sum(group_tokens) - counts[rank]) * HIDDEN * FP32_BYTES,
+        )
+        _exact(
+            rows,
+            name,
+            "stats.dispatch_bytes_received",
+            stats.dispatch_bytes_received,
+            (sum(group_tokens) - counts[rank]) * (HIDDEN * FP32_BYTES + config.num_experts * (FP32_BYTES + 1)),
+        )
+        _exact(
+            rows,
+            name,
+            "stats.combine_bytes_received",
+            stats.combine_bytes_received,
+            counts[rank] * peers * HIDDEN * FP32_BYTES,
         )
     if config.capacity_factor is None:
         _exact(rows, name, "stats.tokens_dropped", stats.tokens_dropped, None)

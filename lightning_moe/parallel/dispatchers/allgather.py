@@ -77,7 +77,10 @@ class AllGatherDispatcher:
         """Sum every rank's (partial) outputs for this rank's tokens."""
         sizes = metadata.token_sizes
         others = sum(sizes) - sizes[self.group_rank]
-        self.stats.combine_bytes += others * expert_out.shape[1] * expert_out.element_size()
+        row_bytes = expert_out.shape[1] * expert_out.element_size()
+        self.stats.combine_bytes += others * row_bytes
+        # Every other rank's partial sum of this rank's rows.
+        self.stats.combine_bytes_received += sizes[self.group_rank] * (len(sizes) - 1) * row_bytes
         return reduce_scatter_v(expert_out, sizes, self.group)
 
     def _account(self, hidden: Tensor, probs: Tensor, routing_map: Tensor, token_sizes: list[int]) -> None:
@@ -85,6 +88,7 @@ class AllGatherDispatcher:
         row_bytes = hidden.shape[1] * hidden.element_size() + probs.shape[1] * (probs.element_size() + 1)
         self.stats.rows_sent += hidden.shape[0] * peers
         self.stats.dispatch_bytes += hidden.shape[0] * peers * row_bytes
+        self.stats.dispatch_bytes_received += (sum(token_sizes) - hidden.shape[0]) * row_bytes
         self.stats.dispatches += 1
         if self.config.capacity_factor is not None and torch.is_grad_enabled():
             kept = (routing_map & (probs > 0)).sum()

@@ -157,7 +157,7 @@ class AllToAllDispatcher:
         if row_index is not None:
             row_probs = row_probs.index_select(0, row_index)
 
-        self._account_dispatch(hidden, input_splits, etp_sizes, routing_map, probs)
+        self._account_dispatch(hidden, input_splits, output_splits, etp_sizes, routing_map, probs)
         metadata = AllToAllMetadata(hidden.shape[0], send_index, input_splits, output_splits, etp_sizes, row_index)
         return rows, tokens_per_local_expert, row_probs, metadata
 
@@ -172,13 +172,15 @@ class AllToAllDispatcher:
 
     # -- accounting (host integers, no synchronisation) ------------------------------------------
 
-    def _account_dispatch(self, hidden, input_splits, etp_sizes, routing_map, probs) -> None:
+    def _account_dispatch(self, hidden, input_splits, output_splits, etp_sizes, routing_map, probs) -> None:
         row_bytes = hidden.shape[1] * hidden.element_size() + probs.element_size()
         remote_rows = sum(input_splits) - input_splits[self.ep_rank]
         # The ETP all-gather sends this rank's received rows to each of its ETP peers.
         etp_rows = etp_sizes[self.etp_rank] * (self.etp_size - 1)
+        received = sum(output_splits) - output_splits[self.ep_rank] + sum(etp_sizes) - etp_sizes[self.etp_rank]
         self.stats.rows_sent += remote_rows
         self.stats.dispatch_bytes += (remote_rows + etp_rows) * row_bytes
+        self.stats.dispatch_bytes_received += received * row_bytes
         self.stats.dispatches += 1
         if self.config.capacity_factor is not None and torch.is_grad_enabled():
             kept = (routing_map & (probs > 0)).sum()
@@ -189,4 +191,8 @@ class AllToAllDispatcher:
         etp_rows = sum(metadata.etp_sizes) - metadata.etp_sizes[self.etp_rank]
         remote_rows = sum(metadata.output_splits) - metadata.output_splits[self.ep_rank]
         self.stats.combine_bytes += (etp_rows + remote_rows) * row_bytes
+        # The mirror image: the ETP peers' partial sums of this rank's rows, then the rows sent home.
+        own = metadata.etp_sizes[self.etp_rank]
+        received = own * (self.etp_size - 1) + sum(metadata.input_splits) - metadata.input_splits[self.ep_rank]
+        self.stats.combine_bytes_received += received * row_bytes
 

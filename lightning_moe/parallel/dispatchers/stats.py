@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,10 @@ class DispatchStats:
     """Payload bytes this rank sent while dispatching (token rows and their probabilities)."""
     combine_bytes: int = 0
     """Payload bytes this rank sent while combining (expert output rows)."""
+    dispatch_bytes_received: int = 0
+    """Payload bytes this rank received from other ranks while dispatching."""
+    combine_bytes_received: int = 0
+    """Payload bytes this rank received from other ranks while combining."""
     rows_sent: int = 0
     """Token rows this rank sent to other ranks while dispatching."""
     dispatches: int = 0
@@ -38,9 +43,7 @@ class DispatchStats:
 
     def reset(self) -> DispatchStats:
         """Return a copy of the counters and zero them."""
-        snapshot = DispatchStats(
-            self.dispatch_bytes, self.combine_bytes, self.rows_sent, self.dispatches, self.tokens_dropped
-        )
-        self.dispatch_bytes = self.combine_bytes = self.rows_sent = self.dispatches = 0
-        self.tokens_dropped = None
+        snapshot = dataclasses.replace(self)
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, field.default)
         return snapshot
