@@ -147,7 +147,7 @@ def test_expert_shards_stay_tagged_after_meta_materialisation(tmp_path):
     meta-device module replaces every parameter with a new object (meta and CPU tensors are not
     shallow-copy compatible), dropping the tag. ``apply_expert_parallel``'s docstring documents
     exactly this order (meta build, shard, ``to_empty``, ``reset_parameters``), and so does
-    ``MoEStrategy`` (``Trainer.init_module(empty_init=True)`` -> ``_materialize``). Untagged expert
+    ``MoEStrategy`` (``Trainer.init_module(empty_init=True)`` -> ``model_setup.materialize``). Untagged expert
     shards are then treated as dense parameters: ``GradSync`` sums different experts' gradients
     over ``tp_dp_cp`` instead of ``edp``, the global grad norm counts them as replicated, and
     ``state_dict()`` returns local shards (a checkpoint of ``[E/EP, ...]`` tensors)."""

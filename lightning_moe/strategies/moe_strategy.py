@@ -42,19 +42,21 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.models import MoETransformer
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.dispatchers import DISPATCHERS
-from lightning_moe.parallel.expert_parallel import is_expert_param
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
+from lightning_moe.strategies.model_setup import (
+    broadcast_initial_state,
+    check_tensor_parallel_support,
+    materialize,
+)
 
 __all__ = ["MoEStrategy"]
 
@@ -258,11 +260,11 @@ class MoEStrategy(ParallelStrategy):
         """Parallelize and materialise the model, set up gradient sync, optimizers and precision."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        _check_tensor_parallel_support(self.model, self.parallel_context.size("tp"))
+        check_tensor_parallel_support(self.model, self.parallel_context.size("tp"))
         layout = (self.parallel_context.dims, self.dispatcher)
         applied = getattr(self.model, "_lightning_moe_layout", None)
         if applied is None:
-            _broadcast_initial_state(self.model)
+            broadcast_initial_state(self.model)
             parallelize(self.model, self.parallel_context, dispatcher=self.dispatcher)
             self.model._lightning_moe_layout = layout
         elif applied != layout:
@@ -275,7 +277,7 @@ class MoEStrategy(ParallelStrategy):
                 f"re-sharded in place to {sizes(*layout)}. Save a checkpoint and load it into a fresh "
                 "module instead (checkpoints reshard across layouts)."
             )
-        _materialize(self.model, self.root_device)
+        materialize(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._set_aux_loss_scale(trainer)
@@ -470,71 +472,3 @@ class MoEStrategy(ParallelStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Folded expert/tensor/data parallelism for MoE models"
         )
-
-
-def _check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
-    """TP > 1 needs a tensor-parallel plan for every MoE layer's surroundings.
-
-    The ranks of a TP group get the same samples; the reference :class:`MoETransformer` splits
-    each sequence over them (sequence parallelism). A MoE layer outside it would route the same
-    tokens on every TP rank and its gradients would count them TP times.
-    """
-    if tp == 1:
-        return
-    inside = {id(m) for t in model.modules() if isinstance(t, MoETransformer) for m in t.modules()}
-    outside = [name for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in inside]
-    if outside:
-        raise ValueError(
-            f"tensor_parallel_size={tp} needs a model lightning_moe can shard over tensor parallelism "
-            f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
-            "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
-        )
-
-
-def _broadcast_initial_state(model: nn.Module) -> None:
-    """Make every rank start from rank 0's model, as DDP does.
-
-    Replicated parameters must agree across ranks, and expert shards are cut from the same global
-    tensors. Materialised models broadcast their tensors; meta-device models broadcast the seeds
-    (``init_seed`` attributes) their weights will be drawn from.
-    """
-    if dist.get_world_size() == 1:
-        return
-    seeded = [m for m in model.modules() if isinstance(getattr(m, "init_seed", None), int)]
-    seeds = [[m.init_seed for m in seeded]]
-    dist.broadcast_object_list(seeds, src=0)
-    for module, seed in zip(seeded, seeds[0]):
-        module.init_seed = seed
-    with torch.no_grad():
-        for tensor in (*model.parameters(), *model.buffers()):
-            if not tensor.is_meta:
-                dist.broadcast(tensor.data, src=0)
-
-
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Give meta-device parameters storage on ``device`` and initialise them.
-
-    The reference transformer and MoE layers re-draw every weight of their subtree from their
-    seeds (experts from their global index); other modules use their own ``reset_parameters()``,
-    which draw from each rank's own RNG, so the replicated tensors are then broadcast from rank 0.
-    """
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return
-    model.to_empty(device=device)
-    covered: set[int] = set()
-    for module in model.modules():
-        if id(module) in covered:
-            continue
-        if isinstance(module, (MoETransformer, MoELayer)):
-            module.reset_parameters()
-            covered.update(id(m) for m in module.modules())
-        elif callable(getattr(module, "reset_parameters", None)) and any(
-            True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))
-        ):
-            module.reset_parameters()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for tensor in (*model.parameters(), *model.buffers()):
-                # Expert shards differ per rank and DTensors were drawn from seeds: leave both.
-                if not is_expert_param(tensor) and not isinstance(tensor, DTensor):
-                    dist.broadcast(tensor.data, src=0)

@@ -1,0 +1,85 @@
+"""How `MoEStrategy` prepares a model written for one device: checks, identical start, materialisation.
+
+No Lightning here: plain functions over the module and the default process group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.models import MoETransformer
+from lightning_moe.parallel.expert_parallel import is_expert_param
+
+__all__ = ["broadcast_initial_state", "check_tensor_parallel_support", "materialize"]
+
+
+def check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
+    """TP > 1 needs a tensor-parallel plan for every MoE layer's surroundings.
+
+    The ranks of a TP group get the same samples; the reference :class:`MoETransformer` splits
+    each sequence over them (sequence parallelism). A MoE layer outside it would route the same
+    tokens on every TP rank and its gradients would count them TP times.
+    """
+    if tp == 1:
+        return
+    inside = {id(m) for t in model.modules() if isinstance(t, MoETransformer) for m in t.modules()}
+    outside = [name for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in inside]
+    if outside:
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs a model lightning_moe can shard over tensor parallelism "
+            f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
+            "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
+        )
+
+
+def broadcast_initial_state(model: nn.Module) -> None:
+    """Make every rank start from rank 0's model, as DDP does.
+
+    Replicated parameters must agree across ranks, and expert shards are cut from the same global
+    tensors. Materialised models broadcast their tensors; meta-device models broadcast the seeds
+    (``init_seed`` attributes) their weights will be drawn from.
+    """
+    if dist.get_world_size() == 1:
+        return
+    seeded = [m for m in model.modules() if isinstance(getattr(m, "init_seed", None), int)]
+    seeds = [[m.init_seed for m in seeded]]
+    dist.broadcast_object_list(seeds, src=0)
+    for module, seed in zip(seeded, seeds[0]):
+        module.init_seed = seed
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if not tensor.is_meta:
+                dist.broadcast(tensor.data, src=0)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give meta-device parameters storage on ``device`` and initialise them.
+
+    The reference transformer and MoE layers re-draw every weight of their subtree from their
+    seeds (experts from their global index); other modules use their own ``reset_parameters()``,
+    which draw from each rank's own RNG, so the replicated tensors are then broadcast from rank 0.
+    """
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    model.to_empty(device=device)
+    covered: set[int] = set()
+    for module in model.modules():
+        if id(module) in covered:
+            continue
+        if isinstance(module, (MoETransformer, MoELayer)):
+            module.reset_parameters()
+            covered.update(id(m) for m in module.modules())
+        elif callable(getattr(module, "reset_parameters", None)) and any(
+            True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+        ):
+            module.reset_parameters()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                # Expert shards differ per rank and DTensors were drawn from seeds: leave both.
+                if not is_expert_param(tensor) and not isinstance(tensor, DTensor):
+                    dist.broadcast(tensor.data, src=0)
