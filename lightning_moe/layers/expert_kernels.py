@@ -23,6 +23,7 @@ On CUDA the per-expert loop is kept for correctness; the grouped GEMM path in
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -35,16 +36,34 @@ __all__ = ["ExpertGradWorkspace", "ExpertMLPFunction", "GroupedActivationFc2Func
            "grouped_activation_fc2", "reference_expert_mlp"]
 
 
+@functools.cache
+def cpu_has_bf16_units() -> bool:
+    """True when this CPU has bf16 arithmetic (AVX-512 BF16 or AMX): bf16 GEMMs then beat fp32.
+
+    Without it (AVX2) a bf16 GEMM runs ~28x slower than fp32 (measured, ``benchmarks/moe_layer.py``).
+    """
+    cpu = getattr(torch, "cpu", None)
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+
+
 def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype the expert GEMMs run in: the autocast dtype when autocast is on, else the input's.
 
-    On CPU half precision is computed in fp32: CPUs without bf16 units run bf16 GEMMs ~28x slower.
+    On CPU half precision is computed in fp32 unless the CPU has bf16 units (then bf16 stays bf16):
+    CPUs without them run bf16 GEMMs ~28x slower than fp32.
     """
     if torch.is_autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        return torch.float32
+        return torch.bfloat16 if dtype == torch.bfloat16 and cpu_has_bf16_units() else torch.float32
     return dtype
+
+
+def _accumulation_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    # Per-token sums over K experts (and input gradients) accumulate in fp32 when computing in half
+    # precision, as upstream's unpermute does in the (fp32) probs dtype.
+    return torch.float32 if compute_dtype in (torch.bfloat16, torch.float16) else compute_dtype
 
 
 class ExpertGradWorkspace:
@@ -86,7 +105,7 @@ class ExpertMLPFunction(torch.autograd.Function):
         act = activation_fn(activation)
         n_rows = sum(counts)
         out_rows = n_rows if row_index is None else num_out_rows
-        out = torch.zeros(out_rows, fc2.shape[1], dtype=cdt, device=x.device)
+        out = torch.zeros(out_rows, fc2.shape[1], dtype=_accumulation_dtype(cdt), device=x.device)
         # One buffer per expert rather than one [N, 2F] block: blocks this size come straight from
         # the OS on every step (page faults), per-expert chunks are recycled by the allocator.
         fc1_outs, act_outs = [], []
@@ -108,7 +127,7 @@ class ExpertMLPFunction(torch.autograd.Function):
             if row_index is None:
                 out[rows] = y
             else:
-                out.index_add_(0, row_index[rows], y)
+                out.index_add_(0, row_index[rows], y.to(out.dtype))
             start += n
         ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, *fc1_outs, *act_outs)
         ctx.counts, ctx.activation, ctx.compute_dtype, ctx.workspace = counts, activation, cdt, workspace
@@ -125,7 +144,7 @@ class ExpertMLPFunction(torch.autograd.Function):
         cdt = ctx.compute_dtype
         grad_out = grad_out.to(cdt)
         need_x, need_w1, need_w2, need_b, need_p = ctx.needs_input_grad[:5]
-        grad_x = torch.zeros(x.shape, dtype=cdt, device=x.device) if need_x else None
+        grad_x = torch.zeros(x.shape, dtype=_accumulation_dtype(cdt), device=x.device) if need_x else None
         # Weight gradients are written expert by expert; only experts without rows need zeros.
         live_fc1, live_fc2 = (ref() for ref in ctx.weights)
         grad_fc1 = _weight_grad(ctx.workspace, "fc1", fc1 if live_fc1 is None else live_fc1, cdt) if need_w1 else None
@@ -154,7 +173,7 @@ class ExpertMLPFunction(torch.autograd.Function):
                 grad_b[e] = (dy * p.to(cdt)).sum(0)
             da = torch.mm(dy, w2)
             if need_p:
-                dp = (da * z).sum(-1)
+                dp = (da * z).sum(-1, dtype=torch.float32)
                 if fc2_bias is not None:
                     dp += dy @ fc2_bias[e].to(cdt)
                 grad_p[rows] = dp.to(probs.dtype)
@@ -169,7 +188,7 @@ class ExpertMLPFunction(torch.autograd.Function):
                 if row_index is None:
                     grad_x[rows] = dx
                 else:
-                    grad_x.index_add_(0, row_index[rows], dx)
+                    grad_x.index_add_(0, row_index[rows], dx.to(grad_x.dtype))
 
         def cast(grad, like):
             return None if grad is None else grad.to(like.dtype)
@@ -200,6 +219,7 @@ def expert_mlp(
     num_out_rows: int | None = None,
     save_activation: bool = True,
     grad_workspace: ExpertGradWorkspace | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Run every expert on its rows; probs multiply the activation output before fc2.
 
@@ -216,6 +236,7 @@ def expert_mlp(
             it from the saved fc1 output (saves ``N x F`` elements, Megatron's ``moe_act``
             recompute).
         grad_workspace: reuse weight-gradient memory across steps (see :class:`ExpertGradWorkspace`).
+        compute_dtype: dtype of the GEMMs; None chooses per device and autocast (``_compute_dtype``).
 
     Returns:
         ``[N, H]`` expert outputs in row order, or ``[num_out_rows, H]`` combined per token.
@@ -229,7 +250,7 @@ def expert_mlp(
     with torch.autocast(x.device.type, enabled=False):
         return ExpertMLPFunction.apply(
             x, fc1, fc2, fc2_bias, probs, list(counts), row_index, num_out_rows, activation, save_activation,
-            grad_workspace, _compute_dtype(x.dtype, x.device),
+            grad_workspace, compute_dtype or _compute_dtype(x.dtype, x.device),
         )
 
 

@@ -98,7 +98,7 @@ def _reference(tensors, counts, activation, with_bias, row_index=None, num_token
     return out.new_zeros(num_tokens, out.shape[1]).index_add(0, row_index, out)
 
 
-def _kernel(tensors, counts, activation, with_bias, row_index=None, save_activation=True):
+def _kernel(tensors, counts, activation, with_bias, row_index=None, save_activation=True, compute_dtype=None):
     return expert_mlp(
         tensors["x"],
         tensors["fc1"],
@@ -110,6 +110,7 @@ def _kernel(tensors, counts, activation, with_bias, row_index=None, save_activat
         row_index=row_index,
         num_out_rows=NUM_TOKENS if row_index is not None else None,
         save_activation=save_activation,
+        compute_dtype=compute_dtype,
     )
 
 
@@ -199,11 +200,12 @@ def test_expert_mlp_with_every_expert_empty(fused):
 @pytest.mark.parametrize("fused", [False, True], ids=["rows", "row-index"])
 @pytest.mark.parametrize("activation", ["swiglu", "squared_relu"])
 def test_expert_mlp_bf16_is_computed_in_fp32(activation, fused, save_activation):
-    """bf16 x / weights (fp32 probs, the router dtype): result in bf16, equal to the fp32 math rounded once."""
+    """bf16 x / weights (fp32 probs, the router dtype) computed in fp32 (the policy of CPUs without
+    bf16 units): result in bf16, equal to the fp32 math rounded once."""
     tensors, row_index = _inputs(activation, fused=fused, dtype=torch.bfloat16)
     ref_tensors = _clone_leaves(tensors, torch.float32)  # the same values, upcast
     out, grads = _forward_backward(
-        lambda t: _kernel(t, COUNTS, activation, True, row_index, save_activation), tensors
+        lambda t: _kernel(t, COUNTS, activation, True, row_index, save_activation, torch.float32), tensors
     )
     ref_out, ref_grads = _forward_backward(
         lambda t: _reference(t, COUNTS, activation, True, row_index), ref_tensors
@@ -393,3 +395,34 @@ def test_moe_layer_under_cpu_autocast_matches_fp32(kernel):
     # bf16 autocast of the router/shared parts only (experts in fp32 on CPU): bf16 tolerance.
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(x.grad, want_grad, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["rows", "row-index"])
+@pytest.mark.parametrize("activation", ["swiglu", "squared_relu"])
+def test_expert_mlp_bf16_compute_matches_fp32_within_bf16_tolerance(activation, fused):
+    """Computing the GEMMs in bf16 (CPUs with bf16 units, GPUs) stays within bf16 error of fp32;
+    per-token sums accumulate in fp32."""
+    tensors, row_index = _inputs(activation, fused=fused, dtype=torch.bfloat16)
+    ref_tensors = _clone_leaves(tensors, torch.float32)
+    out, grads = _forward_backward(
+        lambda t: _kernel(t, COUNTS, activation, True, row_index, True, torch.bfloat16), tensors
+    )
+    ref_out, ref_grads = _forward_backward(lambda t: _reference(t, COUNTS, activation, True, row_index), ref_tensors)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref_out, rtol=BF16_KERNEL_TOL, atol=BF16_KERNEL_TOL * ref_out.abs().max())
+    for name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(
+            grads[name].float(), ref_grad, rtol=BF16_KERNEL_TOL, atol=BF16_KERNEL_TOL * ref_grad.abs().max(),
+            msg=lambda message, name=name: f"gradient of {name}: {message}",
+        )
+
+
+def test_cpu_half_precision_policy_follows_the_cpu(monkeypatch):
+    from lightning_moe.layers import expert_kernels
+
+    cpu = torch.device("cpu")
+    for has_units, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(expert_kernels, "cpu_has_bf16_units", lambda has_units=has_units: has_units)
+        assert expert_kernels._compute_dtype(torch.bfloat16, cpu) == expected
+        assert expert_kernels._compute_dtype(torch.float16, cpu) == torch.float32
+        assert expert_kernels._compute_dtype(torch.float32, cpu) == torch.float32
