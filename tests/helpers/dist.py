@@ -69,6 +69,9 @@ def _rank_main(fn, rank, world_size, args, backend, store_path, timeout_s, conn)
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        # Every rank finishes connecting before any runs fn: a rank that returned (and exited)
+        # at once could otherwise close its sockets while a peer is still connecting to it.
+        dist.barrier()
         payload = pickle.dumps((True, fn(rank, world_size, *args)))
     except BaseException:
         payload = pickle.dumps((False, traceback.format_exc()))
