@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from layers.reference_values import REFERENCE_LOGITS
 
 from lightning_moe.layers import losses
 
@@ -16,17 +17,6 @@ FP32_LOSS_ATOL = 1e-6
 # Gradients through softmax / logsumexp in fp32 compared with an autograd oracle.
 FP32_GRAD_ATOL = 1e-6
 
-# Reference section 2.13: T=6, E=4, K=2.
-REFERENCE_LOGITS = torch.tensor(
-    [
-        [2, 1, 0.5, -1],
-        [0.1, 0.3, 0.2, 0],
-        [-1, 3, 0, 1],
-        [0.5, 0.5, 2.5, 0.4],
-        [1.5, -0.5, 1.4, 1.3],
-        [0, 0, 0, 2],
-    ]
-)
 TOP_K = 2
 NUM_EXPERTS = 4
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layers.reference_values import SOFTMAX_POST_PROBS
 
 from lightning_moe.layers.permute import pad_routing_map, permute, tokens_per_expert, unpermute
 
@@ -27,14 +28,7 @@ HYPOTHESIS_SETTINGS = settings(max_examples=50, deadline=None)
 
 # Reference section 2.13: T=6, E=4, K=2 softmax-post routing.
 REFERENCE_EXPERTS_BY_TOKEN = {0: (0, 1), 1: (1, 2), 2: (1, 3), 3: (1, 2), 4: (0, 2), 5: (2, 3)}
-REFERENCE_PROBS_BY_TOKEN = {
-    0: {0: 0.7311, 1: 0.2689},
-    1: {1: 0.5250, 2: 0.4750},
-    2: {1: 0.8808, 3: 0.1192},
-    3: {1: 0.1192, 2: 0.8808},
-    4: {0: 0.5250, 2: 0.4750},
-    5: {2: 0.1192, 3: 0.8808},
-}
+REFERENCE_PROBS_BY_TOKEN = SOFTMAX_POST_PROBS
 
 
 def _reference_probs() -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layers.reference_values import REFERENCE_LOGITS
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe.layers.config import MoEConfig
@@ -18,16 +19,6 @@ FP32_GRAD_ATOL = 1e-6
 # Sample std of 16k normal draws: its relative standard error is about 1/sqrt(2 * 16384) = 0.6%.
 INIT_STD_RTOL = 0.05
 
-REFERENCE_LOGITS = torch.tensor(
-    [
-        [2, 1, 0.5, -1],
-        [0.1, 0.3, 0.2, 0],
-        [-1, 3, 0, 1],
-        [0.5, 0.5, 2.5, 0.4],
-        [1.5, -0.5, 1.4, 1.3],
-        [0, 0, 0, 2],
-    ]
-)
 
 
 def _router(hidden_size: int = 4, identity_weight: bool = True, **overrides) -> TopKRouter:

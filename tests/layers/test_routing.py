@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from layers.reference_values import REFERENCE_LOGITS, SOFTMAX_POST_PROBS
 
 from lightning_moe.layers.router import (
     apply_input_jitter,
@@ -22,25 +23,6 @@ REFERENCE_ATOL = 1e-4
 # fp32 routing probabilities against a float64 Python oracle: a few ulps.
 FP32_PROB_ATOL = 1e-6
 
-# Reference section 2.13: T=6, E=4, K=2.
-REFERENCE_LOGITS = torch.tensor(
-    [
-        [2, 1, 0.5, -1],
-        [0.1, 0.3, 0.2, 0],
-        [-1, 3, 0, 1],
-        [0.5, 0.5, 2.5, 0.4],
-        [1.5, -0.5, 1.4, 1.3],
-        [0, 0, 0, 2],
-    ]
-)
-SOFTMAX_POST_PROBS = {
-    0: {0: 0.7311, 1: 0.2689},
-    1: {1: 0.5250, 2: 0.4750},
-    2: {1: 0.8808, 3: 0.1192},
-    3: {1: 0.1192, 2: 0.8808},
-    4: {0: 0.5250, 2: 0.4750},
-    5: {2: 0.1192, 3: 0.8808},
-}
 
 
 def _nonzeros(probs: torch.Tensor, token: int) -> dict[int, float]:
