@@ -28,12 +28,11 @@ HYPOTHESIS_SETTINGS = settings(max_examples=50, deadline=None)
 
 # Reference section 2.13: T=6, E=4, K=2 softmax-post routing.
 REFERENCE_EXPERTS_BY_TOKEN = {0: (0, 1), 1: (1, 2), 2: (1, 3), 3: (1, 2), 4: (0, 2), 5: (2, 3)}
-REFERENCE_PROBS_BY_TOKEN = SOFTMAX_POST_PROBS
 
 
 def _reference_probs() -> torch.Tensor:
     probs = torch.zeros(6, 4)
-    for token, by_expert in REFERENCE_PROBS_BY_TOKEN.items():
+    for token, by_expert in SOFTMAX_POST_PROBS.items():
         for expert, prob in by_expert.items():
             probs[token, expert] = prob
     return probs
