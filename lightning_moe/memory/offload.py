@@ -54,6 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_moe.layers.experts import GroupedExperts
+from lightning_moe.memory.handles import AppliedHandle, check_module_names
 from lightning_moe.memory.recompute import _STANDARD, OFFLOAD_MARK, RECOMPUTE_MARK
 from lightning_moe.memory.saved_tensors import NOT_HANDLED, chained_saved_tensors_hooks, storage_of
 
@@ -380,29 +381,16 @@ class _Boundary:
 
 
 @dataclass
-class OffloadHandle:
-    """What :func:`apply_activation_offload` installed; :meth:`remove` undoes it."""
+class OffloadHandle(AppliedHandle):
+    """What :func:`apply_activation_offload` installed; :meth:`remove` undoes it (the offloader and
+    its statistics stay usable). ``modules`` maps each requested name to its boundaries."""
 
-    offloader: ActivationOffloader
-    modules: dict[str, list[str]] = field(default_factory=dict)
-    """For each requested name, the boundaries (qualified names) it applies to."""
-    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
-
-    def remove(self) -> None:
-        """Remove every hook (the offloader and its statistics stay usable)."""
-        while self._undo:
-            self._undo.pop()()
-        self.modules = {}
+    offloader: ActivationOffloader | None = None
 
 
 def check_offload_modules(modules: Sequence[str]) -> list[str]:
     """The names in ``modules`` without duplicates; ``ValueError`` naming the valid ones otherwise."""
-    if isinstance(modules, str):
-        modules = [modules]
-    unknown = [name for name in modules if name not in OFFLOAD_MODULES]
-    if unknown:
-        raise ValueError(f"Unknown offload module(s) {unknown}; choose from {list(OFFLOAD_MODULES)}.")
-    return list(dict.fromkeys(modules))
+    return check_module_names(modules, OFFLOAD_MODULES, "offload")
 
 
 def _check_not_recomputed(model: nn.Module, name: str, boundary: str) -> None:
@@ -456,7 +444,7 @@ def apply_activation_offload(
         first = next(model.parameters(), None)
         device = first.device if first is not None else None
         offloader = ActivationOffloader(device, min_tensor_bytes)
-    handle = OffloadHandle(offloader)
+    handle = OffloadHandle(offloader=offloader)
     try:
         for kind in kinds:
             handle.modules[kind] = []

@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import TopKRouter
+from lightning_moe.memory.handles import AppliedHandle, check_module_names
 from lightning_moe.memory.saved_tensors import NOT_HANDLED, chained_saved_tensors_hooks, storage_of
 from lightning_moe.models.attention import Attention, CoreAttention
 
@@ -335,29 +336,13 @@ def discard_output(module: nn.Module, scope: _DiscardScope) -> Callable[[], None
 # ---------------------------------------------------------------------------------- application
 
 
-@dataclass
-class RecomputeHandle:
-    """What :func:`apply_selective_recompute` changed; :meth:`remove` undoes it."""
-
-    modules: dict[str, list[str]] = field(default_factory=dict)
-    """For each requested name, the qualified names of the modules it applies to."""
-    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
-
-    def remove(self) -> None:
-        """Restore every module (in reverse order of application)."""
-        while self._undo:
-            self._undo.pop()()
-        self.modules = {}
+class RecomputeHandle(AppliedHandle):
+    """What :func:`apply_selective_recompute` changed; :meth:`remove` restores every module."""
 
 
 def check_recompute_modules(modules: Sequence[str]) -> list[str]:
     """The names in ``modules`` without duplicates; ``ValueError`` naming the valid ones otherwise."""
-    if isinstance(modules, str):
-        modules = [modules]
-    unknown = [name for name in modules if name not in RECOMPUTE_MODULES]
-    if unknown:
-        raise ValueError(f"Unknown recompute module(s) {unknown}; choose from {list(RECOMPUTE_MODULES)}.")
-    return list(dict.fromkeys(modules))
+    return check_module_names(modules, RECOMPUTE_MODULES, "recompute")
 
 
 _TYPES = {
