@@ -64,14 +64,13 @@ def is_gated(name: str) -> bool:
 def activation_with_cache(name: str, h: Tensor) -> tuple[Tensor, tuple | None]:
     """``activation_fn(name)(h)`` and the intermediates :func:`activation_backward` can reuse.
 
-    Recomputing the activation in backward then costs almost nothing extra: SwiGLU's sigmoid and
-    SiLU are needed for its gradient anyway.
+    Recomputing the activation in backward then costs almost nothing extra: SwiGLU's SiLU output
+    is needed for its gradient anyway.
     """
     if name == "swiglu":
         gate, up = h.chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        return silu * up, (sig, silu)
+        silu = F.silu(gate)
+        return silu * up, (silu,)
     return activation_fn(name)(h), None
 
 
@@ -80,16 +79,19 @@ def activation_backward(name: str, h: Tensor, grad_out: Tensor, cache: tuple | N
 
     Written out by hand so expert kernels can recompute it chunk by chunk, in cache, without
     building an autograd graph per expert. ``cache`` is what :func:`activation_with_cache` returned.
+    SwiGLU writes the two halves of its gradient in place rather than concatenating them.
     """
     _lookup(name)
     if name == "swiglu":
         gate, up = h.chunk(2, dim=-1)
-        sig, silu = cache if cache is not None else (torch.sigmoid(gate), None)
-        if silu is None:
-            silu = gate * sig
-        grad_up = grad_out * silu
-        grad_gate = grad_out * up * sig * (1 + gate * (1 - sig))
-        return torch.cat([grad_gate, grad_up], dim=-1)
+        silu = cache[0] if cache is not None else F.silu(gate)
+        grad_out = grad_out.to(h.dtype)
+        grad = torch.empty_like(h)
+        grad_gate, grad_up = grad.chunk(2, dim=-1)
+        torch.mul(grad_out, silu, out=grad_up)
+        # d silu(g)/dg = sigmoid(g) * (1 + g * (1 - sigmoid(g))): aten's fused SiLU backward.
+        torch.ops.aten.silu_backward.grad_input(grad_out * up, gate, grad_input=grad_gate)
+        return grad
     if name == "relu":
         return grad_out * (h > 0)
     if name == "squared_relu":
