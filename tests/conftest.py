@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,12 @@ import torch
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
+
+# The expert kernel's CPU GEMM library is measured per process by default ("auto"); tests fix it
+# so that runs compare bit for bit across processes and exact byte counts hold on any machine.
+# The oneDNN path is tested explicitly (tests/layers/test_cpu_gemm.py, test_experts.py);
+# LIGHTNING_MOE_CPU_GEMM=onednn runs the whole suite through it.
+os.environ.setdefault("LIGHTNING_MOE_CPU_GEMM", "aten")
 
 # Transformer Engine's FP8 kernels need Ada (sm_89) or newer.
 _MIN_FP8_CAPABILITY = (8, 9)
@@ -59,3 +66,14 @@ def _torch_global_state():
         torch.set_default_dtype(dtype)
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def aten_gemms():
+    """Pins the expert kernel to ``torch.mm`` GEMMs: exact saved-byte counts assume unpadded expert rows
+    (with oneDNN each expert's fc1 output and activation are padded, see ``layers.cpu_gemm``)."""
+    from lightning_moe.layers.cpu_gemm import set_cpu_gemm_backend
+
+    set_cpu_gemm_backend("aten")
+    yield
+    set_cpu_gemm_backend(None)

@@ -6,6 +6,7 @@ Pure functions with Megatron Core semantics live in their modules: ``router.topk
 """
 
 from lightning_moe.layers.config import MoEConfig
+from lightning_moe.layers.cpu_gemm import set_cpu_gemm_backend
 from lightning_moe.layers.dispatch import LocalDispatcher, TokenDispatcher
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.layers.moe import MoELayer
@@ -21,5 +22,6 @@ __all__ = [
     "SharedExpertMLP",
     "TokenDispatcher",
     "TopKRouter",
+    "set_cpu_gemm_backend",
     "update_expert_bias",
 ]

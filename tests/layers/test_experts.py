@@ -11,6 +11,7 @@ import torch
 from layers.moe_reference import reference_activation
 
 from lightning_moe import MoEConfig
+from lightning_moe.layers import cpu_gemm
 from lightning_moe.layers.activations import ACTIVATIONS, is_gated
 from lightning_moe.layers.expert_kernels import expert_mlp, reference_expert_mlp
 from lightning_moe.layers.experts import GroupedExperts
@@ -33,6 +34,22 @@ FP32_GRAD_TOL = 1e-4
 BF16_ROUNDING_RTOL = 2.0**-8
 # grouped_mm in bf16 rounds the activation output to bf16 before fc2 (the loop kernel does not).
 BF16_KERNEL_TOL = 2e-2
+
+
+GEMM_BACKENDS = [
+    "aten",
+    pytest.param("onednn", marks=pytest.mark.skipif(
+        not cpu_gemm.onednn_available(), reason="this torch build has no usable oneDNN fp32 linear")),
+]
+
+
+@pytest.fixture(params=GEMM_BACKENDS)
+def gemm_backend(request):
+    """Runs the test once per CPU GEMM library; with oneDNN the kernel pads expert rows (COUNTS
+    of 3, 5, 2 rows compute 16 each, the padding taken from the next expert's rows)."""
+    cpu_gemm.set_cpu_gemm_backend(request.param)
+    yield request.param
+    cpu_gemm.set_cpu_gemm_backend(None)
 
 
 def _inputs(
@@ -137,7 +154,7 @@ def _compare(kernel_result, reference_result, with_bias, out_tol=FP32_OUT_TOL, g
 @pytest.mark.parametrize("save_activation", [True, False], ids=["save-act", "recompute-act"])
 @pytest.mark.parametrize("fused", [False, True], ids=["rows", "row-index"])
 @pytest.mark.parametrize("activation", ACTIVATION_NAMES)
-def test_expert_mlp_matches_reference(activation, fused, save_activation, with_bias):
+def test_expert_mlp_matches_reference(activation, fused, save_activation, with_bias, gemm_backend):
     tensors, row_index = _inputs(activation, fused=fused)
     ref_tensors = _clone_leaves(tensors)
     result = _forward_backward(
@@ -168,7 +185,7 @@ def test_reference_expert_mlp_matches_the_formula():
 
 
 @pytest.mark.parametrize("requires", ["x", "fc1", "fc2", "fc2_bias", "probs"])
-def test_expert_mlp_gradient_of_one_input_only(requires):
+def test_expert_mlp_gradient_of_one_input_only(requires, gemm_backend):
     """The backward skips the gradients nobody asked for and still gets the requested one right."""
     tensors, row_index = _inputs("swiglu", fused=True)
     for name, t in tensors.items():
@@ -184,7 +201,7 @@ def test_expert_mlp_gradient_of_one_input_only(requires):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["rows", "row-index"])
-def test_expert_mlp_with_every_expert_empty(fused):
+def test_expert_mlp_with_every_expert_empty(fused, gemm_backend):
     counts = [0, 0, 0]
     tensors, _ = _inputs("gelu", counts=counts, fused=fused)
     row_index = torch.zeros(0, dtype=torch.long) if fused else None

@@ -135,7 +135,7 @@ def _expected_bytes(model: MoETransformer, name: str) -> int:
 
 
 @pytest.mark.parametrize("name", OFFLOAD_MODULES)
-def test_offloaded_bytes_are_exactly_the_boundary_storages(name):
+def test_offloaded_bytes_are_exactly_the_boundary_storages(name, aten_gemms):
     model = transformer()
     expected = _expected_bytes(copy.deepcopy(model), name)
     handle = apply_activation_offload(model, [name], min_tensor_bytes=0)
@@ -145,7 +145,7 @@ def test_offloaded_bytes_are_exactly_the_boundary_storages(name):
     assert stats.offloaded_bytes_by_name == {name: expected}
 
 
-def test_moe_act_with_activation_recompute_moves_only_the_fc1_output():
+def test_moe_act_with_activation_recompute_moves_only_the_fc1_output(aten_gemms):
     model = transformer()
     apply_selective_recompute(model, ["moe_act"])
     handle = apply_activation_offload(model, ["moe_act"], min_tensor_bytes=0)
@@ -164,7 +164,7 @@ def test_min_tensor_bytes_keeps_small_storages():
     assert handle.offloader.stats.offloaded_bytes == 2 * TOKENS * HIDDEN * FP32
 
 
-def test_moe_layer_stack_equals_the_plain_run_and_moves_exact_bytes():
+def test_moe_layer_stack_equals_the_plain_run_and_moves_exact_bytes(aten_gemms):
     torch.manual_seed(4)
     config = MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_experts=EXPERTS, top_k=TOP_K, init_std=0.2)
     base = nn.Sequential(MoELayer(config), MoELayer(config), MoELayer(config))

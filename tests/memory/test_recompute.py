@@ -180,7 +180,7 @@ def _counted(layer: MoELayer, hidden: torch.Tensor) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
-def test_moe_act_cuts_the_expert_part_by_the_activation_output(kernel):
+def test_moe_act_cuts_the_expert_part_by_the_activation_output(kernel, aten_gemms):
     torch.manual_seed(4)
     layer = MoELayer(moe_config(shared_expert_ffn_hidden_size=None), expert_kernel=kernel)
     keep_activation(layer)
