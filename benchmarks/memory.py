@@ -17,6 +17,11 @@ rule), ``(L-1)/L`` of them per layer on average. Where the design rule needs a s
 knows (what a norm or the router saves internally), the prediction uses the ``none`` row's count
 of that module and says so. On CPU the offload target is host memory too: "moved" are the bytes
 that would go to pinned host memory on a GPU.
+
+The expert kernel's GEMMs run through ``torch.mm`` here (``set_cpu_gemm_backend("aten")``), so
+the counts do not depend on the CPU: where the kernel picks oneDNN instead, it pads each expert's
+rows (``lightning_moe.layers.cpu_gemm.padded_row_count``, at most 1/8 more, 16 rows minimum) and
+its saved fc1 output and activation grow by that padding.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_moe import MoEConfig
+from lightning_moe.layers.cpu_gemm import set_cpu_gemm_backend
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.memory import (
     OFFLOAD_MODULES,
@@ -134,6 +140,7 @@ def rss_of_step(sizes: Sizes, recompute, offload) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         f"import json,resource,sys,torch; sys.path.insert(0, {here!r}); import memory as m\n"
+        "m.set_cpu_gemm_backend('aten')\n"
         f"s = m.Sizes(**json.loads({json.dumps(sizes.__dict__)!r})); model = m.build(s)\n"
         f"m.apply(model, {tuple(recompute)!r}, {tuple(offload)!r})\n"
         "batch = torch.randint(0, s.vocab, (s.batch, s.seq + 1), generator=torch.Generator().manual_seed(1))\n"
@@ -196,6 +203,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    set_cpu_gemm_backend("aten")  # unpadded expert rows: machine-independent counts (module docstring)
     sizes = Sizes()
     base = build(sizes)
     batch = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq + 1), generator=torch.Generator().manual_seed(1))

@@ -10,8 +10,13 @@ floor of the same dtype, measured in the same run with the cases interleaved (ma
 Rows of a suite:
 
 * floors: ``grouped_mm`` (the reference) and ``bmm``; in bf16 on CPU also the grouped_mm floor
-  with bf16 operands computed in fp32 (what our CPU expert kernel does with bf16 experts);
-* ``lightning_moe MoELayer`` (the device's default kernel; on CPU in fp32 also ``kernel=grouped_mm``);
+  with bf16 operands computed in fp32 (what our CPU expert kernel does with bf16 experts); where
+  the expert kernel runs its fp32 GEMMs through oneDNN (``lightning_moe.layers.cpu_gemm``: on CPUs
+  where oneDNN clearly beats the BLAS behind ``torch.mm``), also the nine GEMMs through oneDNN,
+  the floor of that library;
+* ``lightning_moe MoELayer`` (the device's default kernel; on CPU in fp32 also ``kernel=grouped_mm``,
+  and where it uses oneDNN also the layer with new routing every step, whose changing expert row
+  counts are new GEMM shapes for oneDNN, and the layer with its GEMMs through ``torch.mm``);
 * ``overhead: lightning_moe router + permutation``: the same layer with identity experts (see
   :class:`IdentityExperts`): router, expert-major ordering of the (token, expert) pairs, the
   gather of the routed rows, the probability scaling and the scatter-add back to the tokens,
@@ -56,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import Case, ratio_table, run_interleaved
 
 from lightning_moe import MoEConfig
+from lightning_moe.layers.cpu_gemm import OneDnnGemm, gemm_for, set_cpu_gemm_backend
 from lightning_moe.layers.moe import MoELayer
 
 
@@ -94,6 +100,8 @@ SLOW_ON_CPU = {"torchtitan": "S"}
 """Peers that compute in bf16 whatever the dtype: skipped beyond the given config on CPUs whose
 bf16 GEMMs are slow (see :func:`bf16_gemms_are_slow`), unless ``--include-slow``."""
 FLOOR_ROUTING = "routing: none, balanced N/E rows per expert"
+NEW_ROUTING_INPUTS = 16
+"""Inputs the ``new routing every step`` row cycles through."""
 
 
 def default_rounds(shape: Shape, dtype_name: str, device: torch.device) -> int:
@@ -205,19 +213,73 @@ def bmm_floor_case(shape: Shape, dtype: torch.dtype, device: torch.device) -> Ca
     return Case("floor: 9 bmm GEMMs [E, N/E, *]", _synced(step, device), f"{FLOOR_ROUTING}; same GEMMs as torch.bmm")
 
 
+def onednn_floor_case(shape: Shape, dtype: torch.dtype, device: torch.device) -> Case:
+    """The nine balanced GEMMs expert by expert through oneDNN, in the expert kernel's layouts.
+
+    The floor of the CPU GEMM library `MoELayer` picks where oneDNN beats the BLAS behind
+    ``torch.mm`` (see ``lightning_moe.layers.cpu_gemm``); N/E rows need no padding at S and M.
+    """
+    t = _floor_tensors(shape, dtype, device)
+    e, n = shape.experts, shape.rows // shape.experts
+    x, dy, dh = t["x"].view(e, n, -1), t["dy"].view(e, n, -1), t["dh"].view(e, n, -1)
+    w_gate, w_up, w_down = t["w_gate"], t["w_up"], t["w_down"]
+    g_gate, g_up, g_down = torch.empty_like(w_gate), torch.empty_like(w_up), torch.empty_like(w_down)
+
+    def step() -> None:
+        for i in range(e):
+            OneDnnGemm.nt(x[i], w_gate[i])
+            OneDnnGemm.nt(x[i], w_up[i])
+            OneDnnGemm.nt(dh[i], w_down[i])
+            OneDnnGemm.nn(dy[i], w_down[i])
+            OneDnnGemm.nn(dh[i], w_gate[i])
+            OneDnnGemm.nn(dh[i], w_up[i])
+            OneDnnGemm.tn_into(dy[i], dh[i], g_down[i])
+            OneDnnGemm.tn_into(dh[i], x[i], g_gate[i])
+            OneDnnGemm.tn_into(dh[i], x[i], g_up[i])
+
+    return Case("floor: 9 GEMMs per expert through oneDNN", step,
+                f"{FLOOR_ROUTING}; the CPU GEMM library MoELayer uses here (weight gradients copied out)")
+
+
+def uses_onednn(shape: Shape, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `MoELayer`'s expert kernel runs its GEMMs through oneDNN for this suite."""
+    gate_up = 2 * shape.ffn  # SwiGLU fc1
+    return gemm_for(device, dtype, shape.hidden, gate_up) is OneDnnGemm
+
+
+def with_cpu_gemm(step: Callable[[], None], backend: str) -> Callable[[], None]:
+    """``step`` with the expert kernel's CPU GEMM library forced to ``backend``."""
+
+    def run() -> None:
+        set_cpu_gemm_backend(backend)
+        try:
+            step()
+        finally:
+            set_cpu_gemm_backend(None)
+
+    return run
+
+
 def module_case(name: str, module: nn.Module, forward, shape: Shape, dtype: torch.dtype, notes: str,
-                device: torch.device | None = None) -> Case:
-    """Forward + backward of ``forward([T, H]) -> [T, H]`` with a fixed upstream gradient."""
+                device: torch.device | None = None, num_inputs: int = 1) -> Case:
+    """Forward + backward of ``forward([T, H]) -> [T, H]`` with a fixed upstream gradient.
+
+    ``num_inputs > 1`` cycles through that many different inputs, so the routing (and every
+    expert's row count) changes from one step to the next, as in training.
+    """
     device = device or torch.device("cpu")
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape.tokens, shape.hidden, generator=gen).to(device=device, dtype=dtype)
     grad = torch.randn(shape.tokens, shape.hidden, generator=gen).to(device=device, dtype=dtype)
+    inputs = [x] + [torch.randn(shape.tokens, shape.hidden, generator=gen).to(device=device, dtype=dtype)
+                    for _ in range(num_inputs - 1)]
     params = [p for p in module.parameters() if p.requires_grad]
+    calls = iter(range(1 << 62))
 
     def step():
         for p in params:
             p.grad = None
-        inp = x.detach().requires_grad_()
+        inp = inputs[next(calls) % len(inputs)].detach().requires_grad_()
         forward(inp).backward(grad)
 
     return Case(name, _synced(step, device), notes)
@@ -255,8 +317,19 @@ def ours_cases(shape: Shape, dtype: torch.dtype, device: torch.device) -> list[C
         layer = MoELayer(config, expert_kernel=requested).to(device=device, dtype=dtype)
         kernel = layer.experts.resolved_kernel(device)
         if requested == "auto":
+            onednn = kernel == "loop" and uses_onednn(shape, dtype, device)
+            gemm_note = "; CPU GEMMs through oneDNN" if onednn else ""
             cases.append(module_case("lightning_moe MoELayer", layer, layer, shape, dtype,
-                                     f"{routing}; kernel={kernel} (the default on {device.type})", device))
+                                     f"{routing}; kernel={kernel} (the default on {device.type}){gemm_note}", device))
+            if onednn:
+                cases.append(module_case(
+                    "lightning_moe MoELayer [new routing every step]", layer, layer, shape, dtype,
+                    f"{routing}; {NEW_ROUTING_INPUTS} inputs in turn: expert row counts (oneDNN shapes) change "
+                    "every step", device, num_inputs=NEW_ROUTING_INPUTS))
+                aten = module_case("lightning_moe MoELayer [CPU GEMMs through torch.mm]", layer, layer, shape,
+                                   dtype, f"{routing}; kernel=loop with set_cpu_gemm_backend('aten')", device)
+                aten.step = with_cpu_gemm(aten.step, "aten")
+                cases.append(aten)
             # The other kernel only where it is cheap to time (CPU bf16 grouped_mm runs bf16 GEMMs).
             if kernel == "grouped_mm" or dtype != torch.float32 or not hasattr(F, "grouped_mm"):
                 break
@@ -302,6 +375,8 @@ def run_suite(shape: Shape, dtype_name: str, peer_names: list[str], rounds: int,
     dtype = DTYPES[dtype_name]
     floor = floor_case(shape, dtype, device)
     floors = [floor, bmm_floor_case(shape, dtype, device)]
+    if uses_onednn(shape, dtype, device):
+        floors.append(onednn_floor_case(shape, dtype, device))
     if dtype != torch.float32 and device.type == "cpu":
         floors.append(floor_upcast_case(shape, dtype, device))
     peers_built, skipped = peer_cases(peer_names, shape, dtype, device, include_slow)

@@ -9,6 +9,7 @@ extra) is installed; otherwise the script must list them as skipped.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -16,16 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from lightning_moe.layers import cpu_gemm
+
 pytestmark = pytest.mark.slow
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None  # found, not imported: collection stays fast
 
 
-def _run(script: str, *args: str, timeout: float = 180) -> str:
+def _run(script: str, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout,
-        cwd=BENCHMARKS.parent,
+        cwd=BENCHMARKS.parent, env=None if env is None else {**os.environ, **env},
     )
     assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -47,15 +50,24 @@ def _ratio(cell: str) -> float:
     return float(match.group(1))
 
 
-def test_moe_layer_smoke(tmp_path):
+@pytest.mark.parametrize("backend", [
+    "aten",
+    pytest.param("onednn", marks=pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="no usable oneDNN")),
+])
+def test_moe_layer_smoke(tmp_path, backend):
     output = tmp_path / "moe_layer.md"
     out = _run("moe_layer.py", "--configs", "S", "--rounds", "1", "--peers", "none", "--dtypes", "fp32",
-               "--output", str(output))
+               "--output", str(output), env={cpu_gemm.ENV_VAR: backend})
     assert "### S fp32: tokens 2048, hidden 512" in out
     rows = _rows(out)
+    onednn = ["floor: 9 GEMMs per expert through oneDNN"] if backend == "onednn" else []
+    same_layer_on_aten = [
+        "lightning_moe MoELayer [new routing every step]", "lightning_moe MoELayer [CPU GEMMs through torch.mm]",
+    ] if backend == "onednn" else []
     expected = [
-        "floor: 9 grouped_mm GEMMs", "floor: 9 bmm GEMMs [E, N/E, *]", "lightning_moe MoELayer",
-        "lightning_moe MoELayer [kernel=grouped_mm]", "overhead: lightning_moe router + permutation",
+        "floor: 9 grouped_mm GEMMs", "floor: 9 bmm GEMMs [E, N/E, *]", *onednn, "lightning_moe MoELayer",
+        *same_layer_on_aten, "lightning_moe MoELayer [kernel=grouped_mm]",
+        "overhead: lightning_moe router + permutation",
     ]
     assert list(rows) == expected, list(rows)
     assert rows["floor: 9 grouped_mm GEMMs"][2] == "1.000x"  # every ratio is to this floor
