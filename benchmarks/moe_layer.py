@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import Case, ratio_table, run_interleaved
 
 from lightning_moe import MoEConfig
-from lightning_moe.layers.cpu_gemm import OneDnnGemm, gemm_for, set_cpu_gemm_backend
+from lightning_moe.layers.cpu_gemm import OneDnnGemm, gemm_for, use_cpu_gemm_backend
 from lightning_moe.layers.moe import MoELayer
 
 
@@ -251,11 +251,8 @@ def with_cpu_gemm(step: Callable[[], None], backend: str) -> Callable[[], None]:
     """``step`` with the expert kernel's CPU GEMM library forced to ``backend``."""
 
     def run() -> None:
-        set_cpu_gemm_backend(backend)
-        try:
+        with use_cpu_gemm_backend(backend):
             step()
-        finally:
-            set_cpu_gemm_backend(None)
 
     return run
 

@@ -19,7 +19,8 @@ if _TESTS_DIR not in sys.path:
 # The expert kernel's CPU GEMM library is measured per process by default ("auto"); tests fix it
 # so that runs compare bit for bit across processes and exact byte counts hold on any machine.
 # The oneDNN path is tested explicitly (tests/layers/test_cpu_gemm.py, test_experts.py);
-# LIGHTNING_MOE_CPU_GEMM=onednn runs the whole suite through it.
+# LIGHTNING_MOE_CPU_GEMM=onednn runs the rest of the suite through it too (except the tests that
+# pin a library themselves: exact byte counts, the choice itself, the benchmark smoke tests).
 os.environ.setdefault("LIGHTNING_MOE_CPU_GEMM", "aten")
 
 # Transformer Engine's FP8 kernels need Ada (sm_89) or newer.

@@ -6,7 +6,7 @@ Pure functions with Megatron Core semantics live in their modules: ``router.topk
 """
 
 from lightning_moe.layers.config import MoEConfig
-from lightning_moe.layers.cpu_gemm import set_cpu_gemm_backend
+from lightning_moe.layers.cpu_gemm import set_cpu_gemm_backend, use_cpu_gemm_backend
 from lightning_moe.layers.dispatch import LocalDispatcher, TokenDispatcher
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.layers.moe import MoELayer
@@ -24,4 +24,5 @@ __all__ = [
     "TopKRouter",
     "set_cpu_gemm_backend",
     "update_expert_bias",
+    "use_cpu_gemm_backend",
 ]

@@ -86,6 +86,10 @@ def activation_backward(name: str, h: Tensor, grad_out: Tensor, cache: tuple | N
         gate, up = h.chunk(2, dim=-1)
         silu = cache[0] if cache is not None else F.silu(gate)
         grad_out = grad_out.to(h.dtype)
+        if torch.is_grad_enabled() and (h.requires_grad or grad_out.requires_grad):
+            # Differentiated itself (double backward): out= writes are not, so the composite form.
+            sig = torch.sigmoid(gate)
+            return torch.cat([grad_out * up * sig * (1 + gate * (1 - sig)), grad_out * silu], dim=-1)
         grad = torch.empty_like(h)
         grad_gate, grad_up = grad.chunk(2, dim=-1)
         torch.mul(grad_out, silu, out=grad_up)

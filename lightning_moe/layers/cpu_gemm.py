@@ -14,23 +14,30 @@ forces a library.
 
 oneDNN compiles one kernel per problem shape and keeps a bounded cache of them (1024 by default,
 shared with everything else in the process). Expert row counts change every step, so with oneDNN
-the kernel pads each expert's rows up to :func:`padded_row_count` (at most 1/8 more rows from 128
-rows up, a multiple of 16 below) in eight sizes per power of two, which keeps the number of shapes
-small enough to stay cached.
+the kernel pads each expert's rows with zero rows up to :func:`padded_row_count` (at most 1/8 more
+rows from 64 rows up, at most 7 below), in eight sizes per power of two, which keeps the number of
+shapes small enough to stay cached. Experts with fewer than :data:`ONEDNN_MIN_ROWS` rows run
+through ``torch.mm`` unpadded: there oneDNN gains nothing and padding would cost the most.
+``torch.backends.mkldnn.enabled = False`` turns oneDNN off here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import operator
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "BACKENDS", "ENV_VAR", "ONEDNN_MIN_SPEEDUP", "AtenGemm", "OneDnnGemm", "cpu_gemm_backend", "gemm_for",
-    "onednn_available", "padded_row_count", "prefer_onednn", "set_cpu_gemm_backend",
+    "BACKENDS", "ENV_VAR", "ONEDNN_MIN_ROWS", "ONEDNN_MIN_SPEEDUP", "AtenGemm", "OneDnnGemm", "cpu_gemm_backend",
+    "gemm_for", "onednn_available", "padded_row_count", "prefer_onednn", "set_cpu_gemm_backend",
+    "use_cpu_gemm_backend",
 ]
 
 BACKENDS = ("auto", "aten", "onednn")
@@ -42,7 +49,11 @@ ENV_VAR = "LIGHTNING_MOE_CPU_GEMM"
 ONEDNN_MIN_SPEEDUP = 1.25
 """``auto`` picks oneDNN when ATen's time is at least this many times oneDNN's."""
 
+ONEDNN_MIN_ROWS = 16
+"""Experts with fewer rows run through ``torch.mm`` even with oneDNN (measured: no gain below)."""
+
 _forced: str | None = None
+_measure_lock = threading.Lock()
 
 
 def _onednn_linear(a: Tensor, w: Tensor) -> Tensor:
@@ -58,10 +69,11 @@ def onednn_available() -> bool:
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):  # plain fp32, whatever the caller runs
             gen = torch.Generator().manual_seed(0)
-            a = torch.randn(5, 24, generator=gen, dtype=torch.float32, device="cpu")
-            b = torch.randn(5, 16, generator=gen, dtype=torch.float32, device="cpu")
+            # ONEDNN_MIN_ROWS rows: fewer would go to torch.mm.
+            a = torch.randn(ONEDNN_MIN_ROWS, 24, generator=gen, dtype=torch.float32, device="cpu")
+            b = torch.randn(ONEDNN_MIN_ROWS, 16, generator=gen, dtype=torch.float32, device="cpu")
             w = torch.randn(16, 24, generator=gen, dtype=torch.float32, device="cpu")
-            tn = torch.empty(24, 16, device="cpu")
+            tn = torch.empty(24, 16, dtype=torch.float32, device="cpu")
             OneDnnGemm.tn_into(a, b, tn)
             # The three operand layouts the expert kernel uses.
             pairs = ((OneDnnGemm.nt(a, w), a @ w.t()), (OneDnnGemm.nn(b, w), b @ w), (tn, a.t() @ b))
@@ -79,17 +91,29 @@ def set_cpu_gemm_backend(name: str | None) -> None:
         ValueError: for an unknown name, or ``onednn`` where torch has no usable oneDNN.
     """
     global _forced
-    if name is not None:
-        _validate(name, "set_cpu_gemm_backend")
-    _forced = name
+    _forced = None if name is None else _validate(_normalise(name), "set_cpu_gemm_backend")
+
+
+@contextlib.contextmanager
+def use_cpu_gemm_backend(name: str | None) -> Iterator[None]:
+    """:func:`set_cpu_gemm_backend` for a ``with`` block; the previous setting is restored after it."""
+    previous = _forced
+    set_cpu_gemm_backend(name)
+    try:
+        yield
+    finally:
+        set_cpu_gemm_backend(previous)
+
+
+def _normalise(name: str) -> str:
+    return name.strip().lower() or "auto"
 
 
 def cpu_gemm_backend() -> str:
     """The requested backend: the forced one, else :data:`ENV_VAR`, else ``auto``."""
     if _forced is not None:
         return _forced
-    name = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    return _validate(name, ENV_VAR)
+    return _validate(_normalise(os.environ.get(ENV_VAR, "auto")), ENV_VAR)
 
 
 def _validate(name: str, source: str) -> str:
@@ -118,8 +142,15 @@ def _best_time(fn, repeats: int = 5) -> float:
     return best
 
 
-@functools.cache
 def _measured_choice(in_features: int, out_features: int) -> str:
+    # One measurement at a time (two threads timing at once would skew each other), per shape
+    # and thread count.
+    with _measure_lock:
+        return _measure(in_features, out_features, torch.get_num_threads())
+
+
+@functools.cache
+def _measure(in_features: int, out_features: int, threads: int) -> str:
     # The expert's fc1 GEMM on a typical expert chunk, each library warmed up, best of five; in
     # plain fp32 on the CPU whatever context the first forward runs in (autocast, a meta default
     # device, no_grad or not).
@@ -136,14 +167,17 @@ def _measured_choice(in_features: int, out_features: int) -> str:
 
 
 def padded_row_count(rows: int) -> int:
-    """``rows`` rounded up to a multiple of ``max(16, 2**floor(log2(rows)) // 8)``.
+    """Rows the oneDNN path computes for an expert with ``rows`` rows.
 
-    At most 1/8 extra rows (16 below 128 rows), and eight sizes per power of two: a few dozen
-    distinct shapes per GEMM however the routing moves, so oneDNN's kernel cache keeps them all.
+    ``rows`` itself below :data:`ONEDNN_MIN_ROWS` (those run through ``torch.mm``), otherwise
+    rounded up to a multiple of ``max(8, 2**floor(log2(rows)) // 8)``: at most 1/8 extra rows from
+    64 rows up (at most 7 below), eight sizes per power of two, so a few dozen shapes per GEMM
+    however the routing moves, and oneDNN's kernel cache keeps them all.
     """
-    if rows <= 0:
-        return 0
-    step = max(16, (1 << (rows.bit_length() - 1)) // 8)
+    rows = operator.index(rows)
+    if rows < ONEDNN_MIN_ROWS:
+        return max(rows, 0)
+    step = max(8, (1 << (rows.bit_length() - 1)) // 8)
     return -(-rows // step) * step
 
 
@@ -174,7 +208,10 @@ class AtenGemm:
 
 
 class OneDnnGemm:
-    """GEMMs through oneDNN's fp32 matmul; expert rows are padded to :func:`padded_row_count`."""
+    """GEMMs through oneDNN's fp32 matmul; expert rows are padded to :func:`padded_row_count`.
+
+    Operands with fewer than :data:`ONEDNN_MIN_ROWS` rows (unpadded small experts) go to ``torch.mm``.
+    """
 
     name = "onednn"
     padded_rows = staticmethod(padded_row_count)
@@ -182,17 +219,20 @@ class OneDnnGemm:
     @staticmethod
     def nt(a: Tensor, w: Tensor) -> Tensor:
         """``a @ w.T``."""
-        return _onednn_linear(a, w)
+        return AtenGemm.nt(a, w) if a.shape[0] < ONEDNN_MIN_ROWS else _onednn_linear(a, w)
 
     @staticmethod
     def nn(a: Tensor, b: Tensor) -> Tensor:
         """``a @ b``."""
-        return _onednn_linear(a, b.t())
+        return AtenGemm.nn(a, b) if a.shape[0] < ONEDNN_MIN_ROWS else _onednn_linear(a, b.t())
 
     @staticmethod
     def tn_into(a: Tensor, b: Tensor, out: Tensor) -> None:
         """``out = a.T @ b`` (oneDNN's op has no ``out=``: one copy of the result)."""
-        out.copy_(_onednn_linear(a.t(), b.t()))
+        if a.shape[0] < ONEDNN_MIN_ROWS:
+            AtenGemm.tn_into(a, b, out)
+        else:
+            out.copy_(_onednn_linear(a.t(), b.t()))
 
 
 def gemm_for(device: torch.device, dtype: torch.dtype, in_features: int, out_features: int):
@@ -201,7 +241,7 @@ def gemm_for(device: torch.device, dtype: torch.dtype, in_features: int, out_fea
     oneDNN is only ever chosen for fp32 on CPU (half precision on CPU already goes through
     oneDNN inside ``torch.mm``; other devices have their own libraries).
     """
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.enabled:
         return AtenGemm
     name = cpu_gemm_backend()
     if name == "auto":

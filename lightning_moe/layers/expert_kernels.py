@@ -18,8 +18,8 @@ Why a custom autograd function rather than ``grouped_mm`` under autograd:
   expert).
 * The GEMMs go through :mod:`lightning_moe.layers.cpu_gemm`: on CPUs where oneDNN's fp32
   kernels beat the BLAS behind ``torch.mm`` (about 2x on AVX-512 AMD processors), the kernel
-  uses oneDNN and computes each expert on its rows padded to a bucketed size (the padding rows
-  are the next expert's rows; their results are dropped and kept out of the weight gradients).
+  uses oneDNN and computes each expert on its rows plus zero rows up to a bucketed size (the
+  padding rows' results are zero or dropped).
 
 On CUDA the per-expert loop is kept for correctness; the grouped GEMM path in
 :mod:`lightning_moe.layers.experts` is chosen there instead.
@@ -100,20 +100,31 @@ class ExpertGradWorkspace:
         return kept.view(kept.shape)
 
 
-def _rows(src: Tensor, index: Tensor | None, start: int, count: int) -> Tensor:
-    """Rows ``start .. start + count`` of the expert-major sequence, gathered or sliced.
+def _padded_index(row_index: Tensor | None, counts: list[int], padded: list[int]) -> Tensor | None:
+    """``row_index`` with room at its end for the last expert's padding rows (token 0, zeroed later)."""
+    extra = max((m - n for m, n in zip(padded, counts)), default=0)
+    if row_index is None or not extra:
+        return row_index
+    return torch.cat([row_index, row_index.new_zeros(extra)])
 
-    With ``index`` (the row index, padded at its end) the rows are gathered from ``src``; without,
-    they are a slice of ``src``, with zero rows where the slice runs past its end. Rows past an
-    expert's own (the GEMM backend's padding) are the following expert's rows: finite values whose
-    results the kernel drops, and which it keeps out of the weight gradients.
+
+def _expert_rows(src: Tensor, index: Tensor | None, start: int, rows: int, padded: int) -> Tensor:
+    """One expert's ``rows`` rows of the expert-major sequence, then ``padded - rows`` zero rows.
+
+    Gathered through ``index`` (a padded row index) or sliced from ``src``. Zero padding keeps
+    every padding row of the GEMMs' results zero (or dropped), so nothing from another expert's
+    rows, not even a non-finite value, reaches this expert's outputs or weight gradients.
     """
     if index is not None:
-        return src.index_select(0, index[start:start + count])
-    end = start + count
-    if end <= src.shape[0]:
-        return src[start:end]
-    return torch.cat([src[start:], src.new_zeros((end - src.shape[0], *src.shape[1:]))])
+        out = src.index_select(0, index[start:start + padded])
+    elif padded == rows:
+        return src[start:start + rows]
+    else:
+        out = src.new_empty((padded, *src.shape[1:]))
+        out[:rows] = src[start:start + rows]
+    if padded != rows:
+        out[rows:] = 0
+    return out
 
 
 class ExpertMLPFunction(torch.autograd.Function):
@@ -129,10 +140,7 @@ class ExpertMLPFunction(torch.autograd.Function):
         out_rows = n_rows if row_index is None else num_out_rows
         out = torch.zeros(out_rows, fc2.shape[1], dtype=_accumulation_dtype(cdt), device=x.device)
         padded = [gemm.padded_rows(n) for n in counts]
-        extra = max((m - n for m, n in zip(padded, counts)), default=0)
-        index = row_index
-        if row_index is not None and extra:
-            index = torch.cat([row_index, row_index.new_zeros(extra)])
+        index = _padded_index(row_index, counts, padded)
         # One buffer per expert rather than one [N, 2F] block: blocks this size come straight from
         # the OS on every step (page faults), per-expert chunks are recycled by the allocator.
         fc1_outs, act_outs = [], []
@@ -141,12 +149,12 @@ class ExpertMLPFunction(torch.autograd.Function):
             if n == 0:
                 continue
             rows = slice(start, start + n)
-            h = gemm.nt(_rows(x, index, start, padded[e]).to(cdt), fc1[e].to(cdt))
+            h = gemm.nt(_expert_rows(x, index, start, n, padded[e]).to(cdt), fc1[e].to(cdt))
             z = act(h)
             fc1_outs.append(h)
             if save_act:
                 act_outs.append(z)
-            p = _rows(probs, None, start, padded[e]).unsqueeze(-1)
+            p = _expert_rows(probs, None, start, n, padded[e]).unsqueeze(-1)
             y = gemm.nt((z * p).to(cdt), fc2[e].to(cdt))[:n]
             if fc2_bias is not None:
                 y += p[:n].to(cdt) * fc2_bias[e].to(cdt)
@@ -155,7 +163,8 @@ class ExpertMLPFunction(torch.autograd.Function):
             else:
                 out.index_add_(0, row_index[rows], y.to(out.dtype))
             start += n
-        ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, index, *fc1_outs, *act_outs)
+        # The unpadded row index: the one the experts' saved-tensor tagging knows (never offloaded).
+        ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, *fc1_outs, *act_outs)
         ctx.counts, ctx.padded, ctx.activation, ctx.compute_dtype = counts, padded, activation, cdt
         ctx.workspace, ctx.gemm = workspace, gemm
         # The parameters themselves (weakly): saved-tensor hooks hand backward other tensor
@@ -165,7 +174,8 @@ class ExpertMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, fc1, fc2, fc2_bias, probs, index, *chunks = ctx.saved_tensors
+        x, fc1, fc2, fc2_bias, probs, row_index, *chunks = ctx.saved_tensors
+        index = _padded_index(row_index, ctx.counts, ctx.padded)
         active = sum(1 for n in ctx.counts if n)
         fc1_outs, act_outs = chunks[:active], chunks[active:] or None
         cdt, gemm = ctx.compute_dtype, ctx.gemm
@@ -189,14 +199,11 @@ class ExpertMLPFunction(torch.autograd.Function):
             h = fc1_outs[chunk]
             saved_z = None if act_outs is None else act_outs[chunk]
             chunk += 1
-            dy = _rows(grad_out, index, start, m)
+            dy = _expert_rows(grad_out, index, start, n, m)
             z, cache = activation_with_cache(ctx.activation, h) if saved_z is None else (saved_z, None)
-            p = _rows(probs, None, start, m).unsqueeze(-1)
+            p = _expert_rows(probs, None, start, n, m).unsqueeze(-1)
             if need_w2:
-                zp = (z * p).to(cdt)
-                if m != n:
-                    zp[n:] = 0  # padding rows stay out of the weight gradient
-                gemm.tn_into(dy, zp, grad_fc2[e])
+                gemm.tn_into(dy, (z * p).to(cdt), grad_fc2[e])
             if need_b:
                 grad_b[e] = (dy[:n] * p[:n].to(cdt)).sum(0)
             da = gemm.nn(dy, fc2[e].to(cdt))
@@ -209,16 +216,14 @@ class ExpertMLPFunction(torch.autograd.Function):
             if not (need_x or need_w1):
                 continue
             dh = activation_backward(ctx.activation, h, da.mul_(p), cache)
-            if m != n:
-                dh[n:] = 0
             if need_w1:
-                gemm.tn_into(dh, _rows(x, index, rows.start, m).to(cdt), grad_fc1[e])
+                gemm.tn_into(dh, _expert_rows(x, index, rows.start, n, m).to(cdt), grad_fc1[e])
             if need_x:
                 dx = gemm.nn(dh, fc1[e].to(cdt))[:n]
-                if index is None:
+                if row_index is None:
                     grad_x[rows] = dx
                 else:
-                    grad_x.index_add_(0, index[rows], dx.to(grad_x.dtype))
+                    grad_x.index_add_(0, row_index[rows], dx.to(grad_x.dtype))
 
         def cast(grad, like):
             return None if grad is None else grad.to(like.dtype)

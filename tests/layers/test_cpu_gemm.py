@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -20,15 +22,25 @@ def _reset_backend(monkeypatch):
 
 
 def test_padded_row_count_bounds_waste_and_number_of_shapes():
-    sizes = [padded_row_count(n) for n in range(1, 65537)]
-    for n, m in enumerate(sizes, start=1):
-        assert m >= n
-        assert m - n < max(16, n / 8), (n, m)
-    assert sizes == sorted(sizes)
-    # Few distinct shapes however the routing moves: 8 below 128 rows, 8 per power of two above.
-    assert len(set(sizes)) <= 8 + 8 * 9 + 1
-    assert padded_row_count(0) == 0
-    assert [padded_row_count(n) for n in (1, 16, 17, 128, 129, 256, 257)] == [16, 16, 32, 128, 144, 256, 288]
+    small = cpu_gemm.ONEDNN_MIN_ROWS
+    sizes = {n: padded_row_count(n) for n in range(0, 65537)}
+    for n, m in sizes.items():
+        if n < small:
+            assert m == n  # run through torch.mm, unpadded
+        else:
+            assert m >= n and m % 8 == 0 and m - n <= max(7, n / 8), (n, m)
+    assert list(sizes.values()) == sorted(sizes.values())
+    # Few distinct shapes for oneDNN however the routing moves: 7 + 8 below 128 rows, 8 per power of two above.
+    assert len({m for n, m in sizes.items() if n >= small}) <= 7 + 8 + 8 * 9 + 1
+    assert [padded_row_count(n) for n in (1, 15, 16, 17, 64, 65, 128, 129, 256, 257)] == [
+        1, 15, 16, 24, 64, 72, 128, 144, 256, 288]
+
+
+def test_padded_row_count_takes_any_integer():
+    np = pytest.importorskip("numpy")
+    assert padded_row_count(np.int64(17)) == 24
+    with pytest.raises(TypeError):
+        padded_row_count(17.0)
 
 
 def test_auto_rule_needs_a_clear_win_for_onednn():
@@ -91,20 +103,26 @@ def test_onednn_gemms_equal_torch_on_strided_operands():
 
 
 @needs_onednn
+@pytest.mark.parametrize("scale", [1e6, float("inf")], ids=["huge", "inf"])
 @pytest.mark.parametrize("fused", [False, True], ids=["rows", "row-index"])
-def test_padding_rows_do_not_reach_outputs_or_gradients(fused):
-    """Expert 0's padding rows are expert 1's rows, a million times larger: they must not leak."""
+def test_padding_rows_do_not_reach_outputs_or_gradients(fused, scale):
+    """Expert 0 computes 24 rows for its 17 and expert 2 24 for its 21 (past the end). Expert 1's
+    rows, the ones just after expert 0's, are a million times larger or infinite: nothing of them
+    may reach the other experts."""
     cpu_gemm.set_cpu_gemm_backend("onednn")
     gen = torch.Generator().manual_seed(0)
-    hidden, ffn, counts = 16, 8, [3, 20, 5]
+    hidden, ffn, counts = 16, 8, [17, 20, 21]
+    assert [padded_row_count(n) for n in counts] == [24, 24, 24]
     num_tokens = sum(counts)
+    neighbour = slice(17, 37)
     x = torch.randn(num_tokens, hidden, generator=gen)
-    x[3:23] *= 1e6
+    x[neighbour] *= scale
     fc1 = torch.randn(3, 2 * ffn, hidden, generator=gen) * 0.3
     fc2 = torch.randn(3, hidden, ffn, generator=gen) * 0.3
     probs = torch.rand(num_tokens, generator=gen)
     grad = torch.randn(num_tokens, hidden, generator=gen)
-    grad[3:23] *= 1e6
+    grad[neighbour] *= scale
+    # Token 0 (the row index's padding past the end) belongs to expert 0: a real gather source.
     row_index = torch.arange(num_tokens) if fused else None
 
     def run(fn, *args):
@@ -115,26 +133,53 @@ def test_padding_rows_do_not_reach_outputs_or_gradients(fused):
 
     got = run(lambda *t: expert_mlp(*t, counts, row_index=row_index, num_out_rows=num_tokens))
     want = run(lambda *t: reference_expert_mlp(*t, counts))
-    # Expert 0 and 2 (rows 0-2 and 23-27, weights [0] and [2]) against their own scale.
-    for rows, expert in ((slice(0, 3), 0), (slice(23, 28), 2)):
+    for rows, expert in ((slice(0, 17), 0), (slice(37, 58), 2)):
         for name, g, w in (("out", got[0][rows], want[0][rows]), ("x", got[1][rows], want[1][rows]),
                            ("probs", got[4][rows], want[4][rows]), ("fc1", got[2][expert], want[2][expert]),
                            ("fc2", got[3][expert], want[3][expert])):
+            assert bool(w.isfinite().all()), (name, expert)
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item(), msg=f"{name} {expert}")
 
 
-def test_probes_ignore_the_callers_autocast_and_default_device():
-    """The first forward may run under bf16 autocast or a meta default device: the probes must not."""
+def test_mkldnn_disabled_means_aten(monkeypatch):
+    cpu_gemm.set_cpu_gemm_backend("onednn" if cpu_gemm.onednn_available() else "aten")
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert gemm_for(torch.device("cpu"), torch.float32, 512, 1024) is AtenGemm
+
+
+def test_use_cpu_gemm_backend_restores_the_previous_setting():
+    cpu_gemm.set_cpu_gemm_backend("aten")
+    with cpu_gemm.use_cpu_gemm_backend(" AUTO "):
+        assert cpu_gemm.cpu_gemm_backend() == "auto"
+    assert cpu_gemm.cpu_gemm_backend() == "aten"
+    with pytest.raises(RuntimeError, match="boom"), cpu_gemm.use_cpu_gemm_backend("auto"):
+        raise RuntimeError("boom")
+    assert cpu_gemm.cpu_gemm_backend() == "aten"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_probes_ignore_the_callers_autocast_default_device_and_dtype():
+    """The first forward may run under bf16 autocast, a meta default device or float64 defaults:
+    the probes must not depend on them (their results are kept for the whole process)."""
     plain = cpu_gemm.onednn_available()
     cpu_gemm.onednn_available.cache_clear()
-    cpu_gemm._measured_choice.cache_clear()
+    cpu_gemm._measure.cache_clear()
     try:
-        with torch.device("meta"), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.device("meta"), torch.autocast("cpu", dtype=torch.bfloat16), _default_dtype(torch.float64):
             in_context = cpu_gemm.onednn_available()
             choice = cpu_gemm._measured_choice(64, 128)
     finally:
         cpu_gemm.onednn_available.cache_clear()
-        cpu_gemm._measured_choice.cache_clear()
+        cpu_gemm._measure.cache_clear()
     assert in_context == plain
     assert choice in ("aten", "onednn")
 
