@@ -6,11 +6,11 @@ some CPUs the two differ by 2x: MKL runs its AVX2 code on AMD processors with AV
 runs AVX-512 there (``benchmarks/moe_layer.py``). Both compute in fp32 with fp32 accumulation;
 only the summation order differs, so results agree to fp32 rounding, not bit for bit.
 
-``auto`` (the default) therefore measures, once per process and layer shape, the expert's fc1
-GEMM with both libraries and takes oneDNN only when it is clearly faster (by
+``auto`` (the default) therefore measures, once per process, layer shape and thread count, the
+expert's fc1 GEMM with both libraries and takes oneDNN only when it is clearly faster (by
 :data:`ONEDNN_MIN_SPEEDUP`); close calls stay on ATen, so the choice does not flip between runs
-on machines where the two are level. ``LIGHTNING_MOE_CPU_GEMM`` or :func:`set_cpu_gemm_backend`
-forces a library.
+on machines where the two are level. ``LIGHTNING_MOE_CPU_GEMM``, :func:`set_cpu_gemm_backend` or
+:func:`use_cpu_gemm_backend` forces a library (and with it bit-identical reruns).
 
 oneDNN compiles one kernel per problem shape and keeps a bounded cache of them (1024 by default,
 shared with everything else in the process). Expert row counts change every step, so with oneDNN
