@@ -2,8 +2,9 @@
 
 An fp32 ``torch.mm`` on CPU calls the BLAS torch was built with (MKL in the official wheels).
 PyTorch also ships oneDNN, whose JIT-compiled kernels use the widest vector units the CPU has. On
-some CPUs the two differ by 2x: MKL runs its AVX2 code on AMD processors with AVX-512, oneDNN
-runs AVX-512 there (``benchmarks/moe_layer.py``). Both compute in fp32 with fp32 accumulation;
+some CPUs the two differ by 2x: on an AMD EPYC with AVX-512, MKL reaches about half of oneDNN's
+fp32 rate (``benchmarks/moe_layer.py``; MKL's code paths for non-Intel processors are the likely
+cause). Both compute in fp32 with fp32 accumulation;
 only the summation order differs, so results agree to fp32 rounding, not bit for bit.
 
 ``auto`` (the default) therefore measures, once per process, layer shape and thread count, the
