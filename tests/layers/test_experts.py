@@ -44,12 +44,14 @@ GEMM_BACKENDS = [
 
 
 @pytest.fixture(params=GEMM_BACKENDS)
-def gemm_backend(request):
-    """Runs the test once per CPU GEMM library; with oneDNN the kernel pads expert rows (COUNTS
-    of 3, 5, 2 rows compute 16 each, the padding taken from the next expert's rows)."""
-    cpu_gemm.set_cpu_gemm_backend(request.param)
-    yield request.param
-    cpu_gemm.set_cpu_gemm_backend(None)
+def gemm_backend(request, monkeypatch):
+    """Runs the test once per CPU GEMM library. With oneDNN the small-expert cutoff is lowered to
+    one row, so that these tiny experts (COUNTS 3, 5, 2) run through oneDNN, padded to 8 rows."""
+    if request.param == "onednn":
+        monkeypatch.setattr(cpu_gemm, "ONEDNN_MIN_ROWS", 1)
+        assert [cpu_gemm.padded_row_count(n) for n in COUNTS] == [8, 0, 8, 0, 8]
+    with cpu_gemm.use_cpu_gemm_backend(request.param):
+        yield request.param
 
 
 def _inputs(
@@ -460,7 +462,6 @@ def test_activation_backward_matches_autograd_and_is_itself_differentiable(activ
         torch.testing.assert_close(activation_backward(activation, h.detach(), grad_out), expected.detach())
     got = activation_backward(activation, h, grad_out, activation_with_cache(activation, h)[1])
     torch.testing.assert_close(got, expected)
-
 
     def second_derivative(grad):  # of sum(grad^2); ReLU's gradient is piecewise constant in h
         if not grad.requires_grad:
