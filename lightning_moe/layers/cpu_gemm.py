@@ -53,6 +53,7 @@ ONEDNN_MIN_SPEEDUP = 1.25
 ONEDNN_MIN_ROWS = 16
 """Experts with fewer rows run through ``torch.mm`` even with oneDNN (measured: no gain below)."""
 
+_PROBE_MAX_FEATURES = 2048
 _forced: str | None = None
 _measure_lock = threading.Lock()
 
@@ -155,6 +156,9 @@ def _measure(in_features: int, out_features: int, threads: int) -> str:
     # The expert's fc1 GEMM on a typical expert chunk, each library warmed up, best of five; in
     # plain fp32 on the CPU whatever context the first forward runs in (autocast, a meta default
     # device, no_grad or not).
+    # Dimensions capped at _PROBE_MAX_FEATURES: GEMMs that large are compute-bound in both
+    # libraries alike, and the probe stays small (16 MiB at most) and quick.
+    in_features, out_features = min(in_features, _PROBE_MAX_FEATURES), min(out_features, _PROBE_MAX_FEATURES)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         gen = torch.Generator().manual_seed(0)
         a = torch.randn(256, in_features, generator=gen, dtype=torch.float32, device="cpu")
