@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -157,16 +155,6 @@ def test_use_cpu_gemm_backend_restores_the_previous_setting():
     assert cpu_gemm.cpu_gemm_backend() == "aten"
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def test_probes_ignore_the_callers_autocast_default_device_and_dtype():
     """The first forward may run under bf16 autocast, a meta default device or float64 defaults:
     the probes must not depend on them (their results are kept for the whole process)."""
@@ -174,7 +162,8 @@ def test_probes_ignore_the_callers_autocast_default_device_and_dtype():
     cpu_gemm.onednn_available.cache_clear()
     cpu_gemm._measure.cache_clear()
     try:
-        with torch.device("meta"), torch.autocast("cpu", dtype=torch.bfloat16), _default_dtype(torch.float64):
+        torch.set_default_dtype(torch.float64)  # restored after the test by conftest's _torch_global_state
+        with torch.device("meta"), torch.autocast("cpu", dtype=torch.bfloat16):
             in_context = cpu_gemm.onednn_available()
             choice = cpu_gemm._measured_choice(64, 128)
     finally:
