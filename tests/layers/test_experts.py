@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from helpers.asserts import assert_close_to_scale
 from layers.moe_reference import reference_activation
 
 from lightning_moe import MoEConfig
@@ -94,19 +95,6 @@ def _clone_leaves(tensors, dtype=None):
     }
 
 
-def _assert_close(actual, expected, tol, what):
-    """``|actual - expected| <= tol * max|expected|`` elementwise (exact when expected is all zero)."""
-    assert actual.shape == expected.shape, what
-    scale = expected.detach().abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(
-        actual.detach().to(expected.dtype),
-        expected.detach(),
-        rtol=0.0,
-        atol=tol * scale,
-        msg=lambda message: f"{what}: {message}",
-    )
-
-
 def _reference(tensors, counts, activation, with_bias, row_index=None, num_tokens=NUM_TOKENS):
     """``reference_expert_mlp``, around an ``index_select``/``index_add`` when ``row_index`` is given."""
     x = tensors["x"] if row_index is None else tensors["x"].index_select(0, row_index)
@@ -143,13 +131,13 @@ def _forward_backward(fn, tensors, grad_seed=1):
 
 def _compare(kernel_result, reference_result, with_bias, out_tol=FP32_OUT_TOL, grad_tol=FP32_GRAD_TOL):
     (out, grads), (ref_out, ref_grads) = kernel_result, reference_result
-    _assert_close(out, ref_out, out_tol, "output")
+    assert_close_to_scale(out, ref_out, out_tol, "output")
     for name, ref_grad in ref_grads.items():
         if name == "fc2_bias" and not with_bias:
             assert grads[name] is None
             continue
         assert grads[name] is not None, f"no gradient for {name}"
-        _assert_close(grads[name], ref_grad, grad_tol, f"gradient of {name}")
+        assert_close_to_scale(grads[name], ref_grad, grad_tol, f"gradient of {name}")
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["fc2-bias", "no-bias"])
@@ -183,7 +171,7 @@ def test_reference_expert_mlp_matches_the_formula():
             x, p = tensors["x"][row], tensors["probs"][row]
             hidden = reference_activation(activation, tensors["fc1"][expert] @ x)
             expected = tensors["fc2"][expert] @ hidden * p + p * tensors["fc2_bias"][expert]
-            _assert_close(out[row], expected, FP32_OUT_TOL, f"row {row}")
+            assert_close_to_scale(out[row], expected, FP32_OUT_TOL, f"row {row}")
 
 
 @pytest.mark.parametrize("requires", ["x", "fc1", "fc2", "fc2_bias", "probs"])
@@ -198,7 +186,7 @@ def test_expert_mlp_gradient_of_one_input_only(requires, gemm_backend):
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     out.backward(grad_out)
     ref.backward(grad_out)
-    _assert_close(tensors[requires].grad, ref_tensors[requires].grad, FP32_GRAD_TOL, requires)
+    assert_close_to_scale(tensors[requires].grad, ref_tensors[requires].grad, FP32_GRAD_TOL, requires)
     assert all(t.grad is None for name, t in tensors.items() if name != requires)
 
 
@@ -326,11 +314,11 @@ def test_grouped_mm_kernel_equals_loop_kernel(activation, with_bias, fused, dtyp
     loop_out, loop_grads = _run_experts(loop, tensors["x"], tensors["probs"], row_index)
     grouped_out, grouped_grads = _run_experts(grouped, tensors["x"], tensors["probs"], row_index)
     assert grouped_out.dtype == dtype
-    _assert_close(grouped_out, loop_out.float(), FP32_OUT_TOL if dtype == torch.float32 else tol, "output")
+    assert_close_to_scale(grouped_out, loop_out.float(), FP32_OUT_TOL if dtype == torch.float32 else tol, "output")
     assert grouped_grads.keys() == loop_grads.keys()
     for name, grad in loop_grads.items():
         assert grouped_grads[name].dtype == grad.dtype, name
-        _assert_close(grouped_grads[name], grad.float(), tol, f"gradient of {name}")
+        assert_close_to_scale(grouped_grads[name], grad.float(), tol, f"gradient of {name}")
     for name in ("fc1_weight", "fc2_weight"):  # empty experts: exactly zero in both kernels
         assert bool((grouped_grads[name][[1, 3]] == 0).all()), name
 

@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from helpers.asserts import assert_close_to_scale
 from layers.moe_reference import dense_ffn, reference_moe, reference_routing
 
 from lightning_moe.layers.activations import ACTIVATIONS
@@ -76,19 +77,6 @@ def _randn(shape, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
-    """``|actual - expected| <= tol * max|expected|`` elementwise (exact when expected is all zero)."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    scale = expected.detach().abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(
-        actual.detach().to(expected.dtype),
-        expected.detach(),
-        rtol=0.0,
-        atol=tol * scale,
-        msg=lambda message: f"{what}: {message}",
-    )
-
-
 def _run_layer(layer: MoELayer, x: torch.Tensor, grad_out: torch.Tensor, padding_mask=None):
     """Forward + backward of the layer; returns (output, input grad, {param name: grad})."""
     layer.zero_grad(set_to_none=True)
@@ -120,13 +108,13 @@ def _check_against_reference(
     out, x_grad, grads = _run_layer(layer, x, grad_out, padding_mask)
     ref_out, ref_x_grad, ref_grads = _run_reference(layer, x, grad_out)
     assert out.dtype == x.dtype and out.shape == x.shape
-    _assert_close(out, ref_out, out_tol, "output")
-    _assert_close(x_grad, ref_x_grad, grad_tol, "input gradient")
+    assert_close_to_scale(out, ref_out, out_tol, "output")
+    assert_close_to_scale(x_grad, ref_x_grad, grad_tol, "input gradient")
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         assert grad is not None, f"{name} received no gradient"
         assert grad.dtype == dict(layer.named_parameters())[name].dtype
-        _assert_close(grad, ref_grads[name], grad_tol, f"gradient of {name}")
+        assert_close_to_scale(grad, ref_grads[name], grad_tol, f"gradient of {name}")
     return out
 
 
@@ -240,7 +228,7 @@ def test_pad_to_capacity_gives_every_expert_capacity_rows(policy, kernel):
     x = _randn((BATCH, SEQ, HIDDEN), seed=3)
     out = _check_against_reference(padded, x)
     assert seen == [[capacity] * NUM_EXPERTS]
-    _assert_close(out, _check_against_reference(unpadded, x), FP32_OUT_TOL, "padded vs unpadded output")
+    assert_close_to_scale(out, _check_against_reference(unpadded, x), FP32_OUT_TOL, "padded vs unpadded output")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -257,10 +245,10 @@ def test_router_padding_alignment_gives_aligned_counts_and_same_outputs(kernel):
     unaligned = _reference_map(plain, x).sum(0).tolist()
     assert all(c % alignment == 0 for c in counts), counts
     assert all(c >= u and c - u < alignment for c, u in zip(counts, unaligned)), (counts, unaligned)
-    _assert_close(out, plain_out, FP32_OUT_TOL, "output")
-    _assert_close(x_grad, plain_x_grad, FP32_GRAD_TOL, "input gradient")
+    assert_close_to_scale(out, plain_out, FP32_OUT_TOL, "output")
+    assert_close_to_scale(x_grad, plain_x_grad, FP32_GRAD_TOL, "input gradient")
     for name, grad in grads.items():
-        _assert_close(grad, plain_grads[name], FP32_GRAD_TOL, f"gradient of {name}")
+        assert_close_to_scale(grad, plain_grads[name], FP32_GRAD_TOL, f"gradient of {name}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,10 +350,10 @@ def test_one_expert_top1_equals_dense_ffn(activation, kernel):
     x_dense = x.clone().requires_grad_(True)
     dense = dense_ffn(x_dense, fc1, fc2, activation)
     dense.backward(grad_out)
-    _assert_close(out, dense.detach(), FP32_OUT_TOL, "output")
-    _assert_close(x_grad, x_dense.grad, FP32_GRAD_TOL, "input gradient")
-    _assert_close(grads["experts.fc1_weight"][0], fc1.grad, FP32_GRAD_TOL, "fc1 gradient")
-    _assert_close(grads["experts.fc2_weight"][0], fc2.grad, FP32_GRAD_TOL, "fc2 gradient")
+    assert_close_to_scale(out, dense.detach(), FP32_OUT_TOL, "output")
+    assert_close_to_scale(x_grad, x_dense.grad, FP32_GRAD_TOL, "input gradient")
+    assert_close_to_scale(grads["experts.fc1_weight"][0], fc1.grad, FP32_GRAD_TOL, "fc1 gradient")
+    assert_close_to_scale(grads["experts.fc2_weight"][0], fc2.grad, FP32_GRAD_TOL, "fc2 gradient")
     # softmax over one expert is constant: the router gets an exactly zero gradient.
     assert torch.equal(grads["router.weight"], torch.zeros_like(layer.router.weight))
 
@@ -381,7 +369,7 @@ def test_identical_experts_with_all_selected_equal_dense_ffn(score_func):
     with torch.no_grad():
         out = layer(x)
     dense = dense_ffn(x, layer.experts.fc1_weight[0].detach(), layer.experts.fc2_weight[0].detach(), "swiglu")
-    _assert_close(out, dense, FP32_OUT_TOL, "output")
+    assert_close_to_scale(out, dense, FP32_OUT_TOL, "output")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

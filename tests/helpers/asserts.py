@@ -1,0 +1,22 @@
+"""Assertions shared by the numerical tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:
+    """``|actual - expected| <= tol * max|expected|`` elementwise (exact when expected is all zero).
+
+    The tolerance scales with the largest expected value, so entries near zero are not held to a
+    relative bound that rounding elsewhere in the computation could never meet.
+    """
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.detach().abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(
+        actual.detach().to(expected.dtype),
+        expected.detach(),
+        rtol=0.0,
+        atol=tol * scale,
+        msg=lambda message: f"{what}: {message}",
+    )
