@@ -21,6 +21,7 @@ import lightning as L
 import pytest
 import torch
 from graphs.tiny import DROP_AND_PAD, SCOPE_SETS, batches, tiny_model, train
+from helpers.lit import LossRecordingLM
 from strategies.toy import quiet_trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader
@@ -358,24 +359,9 @@ def test_recording_and_release_contract():
 # ------------------------------------------------------------------------------------ the callback
 
 
-class _TinyLM(L.LightningModule):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model.loss(batch[:, :-1], batch[:, 1:])
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
 def _fit(model, callbacks, steps=5, accumulate=1):
     data = torch.cat([b[0] for b in batches(steps * accumulate, 1, 2, 8)])
-    module = _TinyLM(model)
+    module = LossRecordingLM(model)
     trainer = L.Trainer(
         **quiet_trainer_kwargs(max_steps=steps, accumulate_grad_batches=accumulate), callbacks=callbacks
     )

@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 from graphs.tiny import DROP_AND_PAD, SCOPE_SETS, batches, tiny_model, train
+from helpers.lit import LossRecordingLM
 from torch.utils.data import DataLoader
 
 from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture
@@ -148,24 +149,9 @@ def test_moe_scope_swaps_the_grouped_mm_kernel_for_capture_and_restores_it():
     assert experts.kernel == "auto"
 
 
-class _LM(L.LightningModule):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.losses = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model.loss(batch[:, :-1], batch[:, 1:])
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
 def _fit(callbacks):
     data = torch.cat([b[0] for b in batches(10, 1, BATCH, SEQ)])
-    module = _LM(tiny_model({}, **SHAPES))
+    module = LossRecordingLM(tiny_model({}, **SHAPES))
     trainer = L.Trainer(
         accelerator="gpu", devices=1, precision="bf16-true", max_steps=10, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks,

@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.lit import LossRecordingLM
 from torch.utils.data import DataLoader
 
 from lightning_moe import MoEConfig, MoELayer
@@ -206,23 +207,8 @@ def test_fp8_training_of_the_reference_model_tracks_bf16():
     assert gap.mean() < CURVE_MEAN_REL_TOL and gap[-1] < CURVE_LAST_REL_TOL
 
 
-class _LM(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = _lm()
-        self.losses = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model.loss(batch[:, :-1], batch[:, 1:])
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-def _fit(**trainer_kwargs) -> _LM:
-    module = _LM()
+def _fit(**trainer_kwargs) -> LossRecordingLM:
+    module = LossRecordingLM(_lm(), optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     trainer = L.Trainer(
         accelerator="gpu", devices=1, max_steps=10, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, **trainer_kwargs,
