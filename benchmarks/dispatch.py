@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timing
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # helpers
 
 from helpers.dist import run_distributed
-from timing import Case, ratio_table, run_interleaved
+from timing import Case, ratio_table, run_interleaved, write_tables
 
 from lightning_moe import MoEConfig
 from lightning_moe.layers.moe import MoELayer
@@ -199,9 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         for table in (_bytes_table(ep, per_rank), _time_table(ep, args.tokens, per_rank)):
             print("\n" + table, flush=True)
             tables.append(table)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write("\n\n".join(tables) + "\n")
+    write_tables(args.output, tables)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import Case, ratio_table, run_interleaved
+from timing import Case, ratio_table, run_interleaved, write_tables
 
 from lightning_moe import MoEConfig
 from lightning_moe.layers.cpu_gemm import OneDnnGemm, gemm_for, use_cpu_gemm_backend
@@ -435,9 +435,7 @@ def main(argv: list[str] | None = None) -> None:
             table = run_suite(SHAPES[config], dtype_name, peer_names, rounds, device, args.include_slow)
             print("\n" + table, flush=True)
             tables.append(table)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write("\n\n".join(tables) + "\n")
+    write_tables(args.output, tables)
 
 
 if __name__ == "__main__":

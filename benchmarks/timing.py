@@ -58,3 +58,10 @@ def ratio_table(title: str, cases: list[Case], baseline: Case) -> str:
             f"{case.median / baseline.median:.3f}x | {case.best / baseline.best:.3f}x | {case.notes} |"
         )
     return "\n".join(lines)
+
+
+def write_tables(path: str, tables: list[str]) -> None:
+    """Write markdown ``tables`` to ``path`` (nothing when ``path`` is empty), as printed."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n\n".join(tables) + "\n")
