@@ -25,6 +25,8 @@ and-pad), so that case can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -90,12 +92,7 @@ class _Impl:
         if self.name == "grouped":
             return torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)
         out = qa.new_empty(qa.shape[0], qb.shape[2], dtype=torch.bfloat16)
-        start = 0
-        for e, count in enumerate(counts):
-            rows = slice(start, start + count)
-            start += count
-            if count == 0:
-                continue
+        for e, rows in _expert_row_slices(counts):
             if self.name == "emulate":
                 a = qa[rows].float() * sa[rows, None]
                 out[rows] = (a @ (qb[e].float() * sb[e][None, :])).to(out.dtype)
@@ -112,12 +109,8 @@ class _Impl:
             return torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
         n, k = qa.shape[0], qb.shape[1]
         out = qa.new_zeros(len(counts), n, k, dtype=torch.bfloat16)
-        start = 0
-        for e, count in enumerate(counts):
-            rows = slice(start, start + count)
-            start += count
-            if count == 0:
-                continue
+        for e, rows in _expert_row_slices(counts):
+            count = rows.stop - rows.start
             scale_a, scale_b = sa[e * n : (e + 1) * n], sb[e * k : (e + 1) * k]
             if self.name == "emulate":
                 a = qa[:, rows].float() * scale_a[:, None]
@@ -178,12 +171,18 @@ class _Float8GroupedMM(torch.autograd.Function):
 
 def _high_precision_wgrad(dy: Tensor, x: Tensor, counts: list[int], shape: torch.Size) -> Tensor:
     grad = torch.zeros(shape, dtype=torch.float32, device=x.device)
+    for e, rows in _expert_row_slices(counts):
+        grad[e] = dy[rows].float().t() @ x[rows].float()
+    return grad
+
+
+def _expert_row_slices(counts: list[int]) -> Iterator[tuple[int, slice]]:
+    """``(expert, its rows)`` for every expert with rows, in expert-major order."""
     start = 0
     for e, count in enumerate(counts):
         if count:
-            grad[e] = dy[start : start + count].float().t() @ x[start : start + count].float()
+            yield e, slice(start, start + count)
         start += count
-    return grad
 
 
 def float8_grouped_linear(x: Tensor, weight: Tensor, counts: list[int], recipe: TorchFP8Recipe, impl: str = "auto") -> Tensor:
