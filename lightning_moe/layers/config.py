@@ -54,7 +54,9 @@ class MoEConfig:
 
     router_dtype: str | None = "fp32"
     """Dtype of logits, scores and probabilities: ``fp32``, ``fp64`` or None for the input dtype
-    (Megatron ``moe_router_dtype``; its default is None, ours fp32 as Megatron recommends)."""
+    (Megatron ``moe_router_dtype``; its default is None, ours fp32 as Megatron recommends). The
+    router runs outside autocast: under ``bf16-mixed`` it routes in this dtype, and None means the
+    dtype of the router's input (fp32 activations route in fp32), never the autocast dtype."""
 
     expert_bias: bool = False
     """Aux-loss-free load balancing: a per-expert bias added to the scores for selection only,
@@ -66,11 +68,13 @@ class MoEConfig:
 
     load_balancing: list[str] = field(default_factory=list)
     """Auxiliary load-balancing losses, any of ``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``
-    (Megatron ``moe_router_load_balancing_type``; an empty list is its ``none``)."""
+    (Megatron ``moe_router_load_balancing_type``; an empty list is its ``none``). Unlike Megatron,
+    whose default type is ``aux_loss``, the default is none: list the types you want."""
 
     aux_loss_coeff: float | list[float] = 0.0
     """Coefficient of each load-balancing loss: one number for all, or one per entry of
-    ``load_balancing`` (Megatron ``moe_aux_loss_coeff``)."""
+    ``load_balancing`` (Megatron ``moe_aux_loss_coeff``). A coefficient of 0 turns that type off
+    (not applied, not logged); a non-zero one with an empty ``load_balancing`` is an error."""
 
     z_loss_coeff: float | None = None
     """Router z-loss coefficient, 1e-3 is typical (Megatron ``moe_z_loss_coeff``)."""
@@ -199,9 +203,17 @@ class MoEConfig:
             )
         if len(set(self.load_balancing)) != len(self.load_balancing):
             raise ValueError(f"load_balancing lists a type twice: {self.load_balancing}.")
-        if not isinstance(self.aux_loss_coeff, (int, float)) and len(self.aux_loss_coeff) != len(
-            self.load_balancing
-        ):
+        scalar_coeff = isinstance(self.aux_loss_coeff, (int, float))
+        coeffs = [self.aux_loss_coeff] if scalar_coeff else self.aux_loss_coeff
+        if not self.load_balancing and any(c != 0 for c in coeffs):
+            # Megatron's default type is aux_loss, so a ported config may set only the coefficient;
+            # here it would silently train without any load-balancing loss.
+            raise ValueError(
+                f"aux_loss_coeff={self.aux_loss_coeff} is set but load_balancing=[] enables no auxiliary "
+                "loss, so it would be ignored. Name the losses it weights, e.g. load_balancing=['aux_loss'] "
+                "(Megatron's default type), or set aux_loss_coeff=0.0 for no auxiliary loss."
+            )
+        if not scalar_coeff and len(self.aux_loss_coeff) != len(self.load_balancing):
             raise ValueError(
                 f"aux_loss_coeff has {len(self.aux_loss_coeff)} entries but load_balancing has "
                 f"{len(self.load_balancing)} ({self.load_balancing}); give one coefficient per type."

@@ -86,6 +86,21 @@ INVALID_CONFIGS = [
         id="negative-aux-coeff",
     ),
     pytest.param({"z_loss_coeff": -1e-3}, "Loss coefficients must be >= 0.", id="negative-z-loss-coeff"),
+    pytest.param(
+        {"aux_loss_coeff": 1e-2},
+        "aux_loss_coeff=0.01 is set but load_balancing=[] enables no auxiliary loss",
+        id="aux-coeff-without-load-balancing",
+    ),
+    pytest.param(
+        {"aux_loss_coeff": [1e-2, 1e-3]},
+        "aux_loss_coeff=[0.01, 0.001] is set but load_balancing=[] enables no auxiliary loss",
+        id="aux-coeff-list-without-load-balancing",
+    ),
+    pytest.param(
+        {"aux_loss_coeff": -1e-2},
+        "aux_loss_coeff=-0.01 is set but load_balancing=[] enables no auxiliary loss",
+        id="negative-aux-coeff-without-load-balancing",
+    ),
     pytest.param({"drop_policy": "random"}, "Unknown drop_policy 'random'", id="unknown-drop-policy"),
     pytest.param({"capacity_factor": 0.0}, "capacity_factor=0.0 must be > 0", id="zero-capacity-factor"),
     pytest.param(
@@ -126,6 +141,25 @@ def test_load_balancing_string_and_coefficients():
     per_type = _config(load_balancing=("aux_loss", "seq_aux_loss"), aux_loss_coeff=[1e-2, 1e-3])
     assert per_type.load_balancing == ["aux_loss", "seq_aux_loss"]
     assert per_type.aux_loss_coeffs == {"aux_loss": 1e-2, "seq_aux_loss": 1e-3}
+
+
+def test_aux_coeff_without_load_balancing_names_the_fix():
+    with pytest.raises(ValueError) as error:
+        _config(aux_loss_coeff=1e-3)
+    message = str(error.value)
+    assert "load_balancing=['aux_loss']" in message  # Megatron's default type
+    assert "aux_loss_coeff=0.0" in message  # or no auxiliary loss at all
+
+
+def test_zero_coefficients_are_accepted_and_turn_the_loss_off():
+    """A coefficient of 0 is Megatron's way to switch a loss off; nothing is silently lost."""
+    assert _config(aux_loss_coeff=0.0).aux_loss_coeffs == {}
+    assert _config(aux_loss_coeff=0).aux_loss_coeffs == {}
+    assert _config(aux_loss_coeff=[]).aux_loss_coeffs == {}
+    assert _config(load_balancing=["aux_loss"], aux_loss_coeff=0.0).aux_loss_coeffs == {"aux_loss": 0.0}
+    all_types = ["aux_loss", "seq_aux_loss", "global_aux_loss"]
+    mixed = _config(load_balancing=all_types, aux_loss_coeff=[1e-2, 0.0, 1e-3])
+    assert mixed.aux_loss_coeffs == {"aux_loss": 1e-2, "seq_aux_loss": 0.0, "global_aux_loss": 1e-3}
 
 
 def test_boundary_configs_are_accepted():

@@ -47,7 +47,8 @@ def transformer(num_layers: int = 2, device: str = "cpu") -> MoETransformer:
         vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=num_layers, num_attention_heads=HEADS,
         num_kv_heads=2, ffn_hidden_size=64, max_seq_len=32, qk_norm=True,
         moe=MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=FFN, num_experts=EXPERTS, top_k=TOP_K,
-                      shared_expert_ffn_hidden_size=16, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, init_std=0.2),
+                      shared_expert_ffn_hidden_size=16, load_balancing=["aux_loss"], aux_loss_coeff=1e-2,
+                      z_loss_coeff=1e-3, init_std=0.2),
     )).to(device)
     for module in model.modules():
         if isinstance(module, GroupedExperts):
