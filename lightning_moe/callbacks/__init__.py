@@ -3,7 +3,11 @@
 from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture
 from lightning_moe.callbacks.expert_bias import ExpertBiasUpdater
 from lightning_moe.callbacks.load_balance import LoadBalanceMonitor
+from lightning_moe.callbacks.loss_scaling import MoELossScaling
 from lightning_moe.callbacks.offload import ActivationOffload
 from lightning_moe.callbacks.recompute import SelectiveRecompute
 
-__all__ = ["ActivationOffload", "CUDAGraphCapture", "ExpertBiasUpdater", "LoadBalanceMonitor", "SelectiveRecompute"]
+__all__ = [
+    "ActivationOffload", "CUDAGraphCapture", "ExpertBiasUpdater", "LoadBalanceMonitor", "MoELossScaling",
+    "SelectiveRecompute",
+]

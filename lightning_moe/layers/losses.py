@@ -13,10 +13,13 @@ gradient ``scale``, exactly like Megatron's ``MoEAuxLossAutoScaler`` but without
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
 __all__ = [
+    "UNMANAGED_SCALE_WARNING",
     "AuxLossScaler",
     "attach_loss",
     "aux_loss",
@@ -256,10 +259,27 @@ class AuxLossScaler(torch.autograd.Function):
         return grad_output, torch.ones_like(loss) * scale, None
 
 
-def attach_loss(tensor: Tensor, loss: Tensor, scale: float | Tensor = 1.0) -> Tensor:
+UNMANAGED_SCALE_WARNING = (
+    "An MoE router attaches its auxiliary/z losses with gradient scale 1.0 because nothing sets the "
+    "scale. Their gradients must scale like the main loss's: by the GradScaler's scale under "
+    "precision='16-mixed' and by 1/accumulate_grad_batches. Under Lightning, use MoEStrategy or add "
+    "the callback lightning_moe.callbacks.MoELossScaling(); without Lightning, call "
+    "lightning_moe.layers.set_aux_loss_scale(model, scale) with what your loop multiplies the loss by "
+    "(1.0 when that is nothing)."
+)
+"""Warned (once per process under Python's default filter) when a loss is attached with ``scale=None``."""
+
+
+def attach_loss(tensor: Tensor, loss: Tensor, scale: float | Tensor | None = 1.0) -> Tensor:
     """Return ``tensor`` unchanged in value, with ``scale * dloss/dtheta`` added to the gradients.
 
     The gradient of ``tensor`` itself passes through unchanged. ``scale`` is a float or a 0-dim
-    tensor (the strategy sets ``1/accumulation`` and context-parallel factors through it).
+    tensor, read when backward runs (:class:`~lightning_moe.layers.loss_scale.LossGradScale`
+    rewrites one in place before every backward). ``None`` means nobody manages the scale: 1.0
+    is used and :data:`UNMANAGED_SCALE_WARNING` is issued.
     """
+    if scale is None:
+        # One fixed location (stacklevel=1): Python's default filter then shows it once per process.
+        warnings.warn(UNMANAGED_SCALE_WARNING, UserWarning, stacklevel=1)
+        scale = 1.0
     return AuxLossScaler.apply(tensor, loss, scale)

@@ -143,7 +143,7 @@ class TopKRouter(nn.Module):
             dtype = torch.float32 if name == "entropy_sum" else torch.int64
             self.register_buffer(f"metric_{name}", torch.zeros(shape, dtype=dtype), persistent=False)
         self.reduction = RouterReduction()
-        self.aux_loss_scale: float | Tensor = 1.0
+        self.aux_loss_scale: float | Tensor | None = None  # None: unmanaged (1.0, warns once; see loss_scale)
         self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
