@@ -194,7 +194,8 @@ class MoETransformer(nn.Module):
                 if module is self.lm_head and self.config.tie_embeddings:
                     continue  # the embedding's tensor, already drawn
                 weight = module.weight
-                values = torch.empty(weight.shape, dtype=torch.float32)
+                # Explicitly on the CPU, like the generator: Lightning may run this under a device context.
+                values = torch.empty(weight.shape, dtype=torch.float32, device="cpu")
                 values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
                 _write_full(weight, values)
 

@@ -1,6 +1,11 @@
 """How `MoEStrategy` prepares a model written for one device: checks, identical start, materialisation.
 
 No Lightning here: plain functions over the module and the default process group.
+
+Every collective here runs on tensors that already live on the rank's device: an NCCL process
+group has no CPU backend ("No backend type associated with device type cpu"), so a model that
+``configure_model`` or ``__init__`` left on the CPU is moved to the device first
+(:func:`prepare_model`).
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
+from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.parallelize import parallelize
 
-__all__ = ["broadcast_initial_state", "check_tensor_parallel_support", "materialize"]
+__all__ = [
+    "broadcast_initial_state", "check_tensor_parallel_support", "materialize", "move_materialized", "prepare_model",
+]
 
 
 def check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
@@ -43,7 +52,8 @@ def broadcast_initial_state(model: nn.Module) -> None:
     tensors. Materialised models broadcast their tensors; meta-device models broadcast the seeds
     (``init_seed`` attributes) their weights will be drawn from.
     """
-    if dist.get_world_size() == 1:
+    # Even with one process: the backend is then exercised exactly as at scale (device placement).
+    if not dist.is_initialized():
         return
     seeded = [m for m in model.modules() if isinstance(getattr(m, "init_seed", None), int)]
     seeds = [[m.init_seed for m in seeded]]
@@ -54,6 +64,28 @@ def broadcast_initial_state(model: nn.Module) -> None:
         for tensor in (*model.parameters(), *model.buffers()):
             if not tensor.is_meta:
                 dist.broadcast(tensor.data, src=0)
+
+
+def move_materialized(model: nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer that has storage to ``device``; meta tensors stay meta.
+
+    A plain ``model.to(device)`` fails on a partly meta-device model (meta tensors cannot be
+    copied); those are given storage on ``device`` later, by :func:`materialize`.
+    """
+    model._apply(lambda tensor: tensor if tensor.is_meta else tensor.to(device))
+
+
+def prepare_model(model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str) -> None:
+    """Move ``model`` to ``device``, start every rank from rank 0's state, then apply the layout.
+
+    The order matters on accelerators: the broadcasts of :func:`broadcast_initial_state` and the
+    tensor-parallel sharding of :func:`~lightning_moe.parallel.parallelize` (``distribute_tensor``
+    scatters from rank 0) are collectives, which a device-only process group (NCCL) cannot run on
+    CPU tensors. Meta-device tensors are left for :func:`materialize`.
+    """
+    move_materialized(model, device)
+    broadcast_initial_state(model)
+    parallelize(model, ctx, dispatcher=dispatcher)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -77,7 +109,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))
         ):
             module.reset_parameters()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized():
         with torch.no_grad():
             for tensor in (*model.parameters(), *model.buffers()):
                 # Expert shards differ per rank and DTensors were drawn from seeds: leave both.

@@ -45,18 +45,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, parallelize
+from lightning_moe.layers.loss_scale import LossGradScale
+from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context
+from lightning_moe.parallel.batch_agreement import check_same_batch
 from lightning_moe.parallel.dispatchers import DISPATCHERS
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
-from lightning_moe.strategies.model_setup import (
-    broadcast_initial_state,
-    check_tensor_parallel_support,
-    materialize,
-)
+from lightning_moe.strategies.model_setup import check_tensor_parallel_support, materialize, prepare_model
 
 __all__ = ["MoEStrategy"]
 
@@ -86,6 +83,8 @@ class MoEStrategy(ParallelStrategy):
     """
 
     strategy_name = "moe"
+    manages_moe_loss_scaling = True
+    """Read by :class:`~lightning_moe.callbacks.MoELossScaling`: this strategy scales the aux losses itself."""
 
     def __init__(
         self,
@@ -145,6 +144,7 @@ class MoEStrategy(ParallelStrategy):
         self._context: ParallelContext | None = None
         self._device_mesh: DeviceMesh | None = None
         self._grad_sync: GradSync | None = None
+        self._loss_grad_scale: LossGradScale | None = None
         self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint)
         self.num_nodes = 1
 
@@ -264,8 +264,7 @@ class MoEStrategy(ParallelStrategy):
         layout = (self.parallel_context.dims, self.dispatcher)
         applied = getattr(self.model, "_lightning_moe_layout", None)
         if applied is None:
-            broadcast_initial_state(self.model)
-            parallelize(self.model, self.parallel_context, dispatcher=self.dispatcher)
+            prepare_model(self.model, self.parallel_context, self.root_device, self.dispatcher)
             self.model._lightning_moe_layout = layout
         elif applied != layout:
 
@@ -280,7 +279,8 @@ class MoEStrategy(ParallelStrategy):
         materialize(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._set_aux_loss_scale(trainer)
+        self._loss_grad_scale = LossGradScale(self.root_device)
+        self._loss_grad_scale.bind(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             self._add_expert_bias_updater(trainer)
             if self._grad_sync is None:
@@ -298,17 +298,19 @@ class MoEStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self.barrier()
 
-    def _set_aux_loss_scale(self, trainer) -> None:
-        # Lightning divides the loss by the accumulation factor; the injected aux-loss gradients
-        # must follow. The CP factor undoes the 1/(DP*CP) pre-scale for losses that each CP rank
-        # holds only a share of (reference section 2.5.4).
-        accumulation = getattr(trainer, "accumulate_grad_batches", 1)
-        if not trainer.lightning_module.automatic_optimization:
-            accumulation = 1
-        scale = self.parallel_context.size("cp") / accumulation
-        for layer in self.model.modules():
-            if isinstance(layer, MoELayer):
-                layer.router.aux_loss_scale = scale
+    def _update_loss_grad_scale(self) -> None:
+        # The injected aux/z-loss gradients must scale exactly like the main loss (see
+        # lightning_moe.layers.loss_scale): Lightning divides the loss by the accumulation factor
+        # (read every step: GradientAccumulationScheduler changes it) and 16-mixed multiplies it by
+        # the GradScaler's scale. The CP factor undoes the 1/(DP*CP) pre-scale for losses that
+        # each CP rank holds only a share of (reference section 2.5.4).
+        if self._loss_grad_scale is None:
+            return
+        trainer = self.lightning_module.trainer
+        accumulation = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
+        self._loss_grad_scale.update(
+            self.parallel_context.size("cp") / accumulation, getattr(self.precision_plugin, "scaler", None)
+        )
 
     def _add_expert_bias_updater(self, trainer) -> None:
         # Expert biases and the global aux loss need an end-of-global-batch update (reference
@@ -337,6 +339,25 @@ class MoEStrategy(ParallelStrategy):
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
+    # -- steps ----------------------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        """Check that the tensor-parallel ranks got the same batch, then run the module's step."""
+        self._check_tensor_parallel_batch(args, kwargs)
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        """As :meth:`training_step`: validation batches are split over TP ranks too."""
+        self._check_tensor_parallel_batch(args, kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    def _check_tensor_parallel_batch(self, args: tuple, kwargs: dict) -> None:
+        # TP ranks split each sequence between them; Megatron broadcasts the batch from TP rank 0,
+        # we check it (one small all-gather, one host read per step) and name the likely cause.
+        if self.parallel_context.size("tp") > 1:
+            batch = args[0] if args else kwargs.get("batch")
+            check_same_batch(batch, self.parallel_context.group("tp"))
+
     # -- gradients ------------------------------------------------------------------------------
 
     @contextmanager
@@ -351,6 +372,10 @@ class MoEStrategy(ParallelStrategy):
     def no_sync(self):
         """Context manager for manual optimization: accumulate gradients without reducing them."""
         return self.block_backward_sync()
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Before each training backward: the aux/z-loss gradient scale follows the main loss's."""
+        self._update_loss_grad_scale()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         """Finish the overlapped reduction after a backward that is not being accumulated."""

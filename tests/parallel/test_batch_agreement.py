@@ -1,0 +1,124 @@
+"""Tensor-parallel ranks must hold the same batch: checked, with the cause named, on every rank.
+
+Unit level: :func:`check_same_batch` on 2 gloo ranks for equal and differing batches (values,
+shapes, dtypes, nesting). Trainer level: `MoEStrategy` at TP=2 with a dataset whose random
+augmentation is seeded per global rank (what ``seed_everything(workers=True)`` does to workers)
+refuses to train on both ranks, and the same data without that randomness trains.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from helpers.dist import run_distributed
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_moe import MoEConfig
+from lightning_moe.lit import MoELanguageModel
+from lightning_moe.models import MoETransformerConfig
+from lightning_moe.parallel.batch_agreement import batch_fingerprint, check_same_batch
+from lightning_moe.strategies import MoEStrategy
+
+pytestmark = pytest.mark.distributed
+
+
+def _base_batch() -> dict:
+    gen = torch.Generator().manual_seed(5)
+    return {"tokens": torch.randint(0, 50, (2, 8), generator=gen), "extra": [torch.randn(3, generator=gen), 7]}
+
+
+def _variant(batch: dict, rank: int, kind: str) -> dict:
+    if rank == 0 or kind == "same":
+        return batch
+    tokens = batch["tokens"].clone()
+    if kind == "one value":
+        tokens[1, 3] += 1
+    elif kind == "swapped":
+        tokens[0, [0, 1]] = tokens[0, [1, 0]]
+    elif kind == "shape":
+        tokens = tokens[:, :-1]
+    elif kind == "dtype":
+        tokens = tokens.to(torch.int32)
+    elif kind == "negative zero":
+        return {"tokens": tokens, "extra": [torch.tensor([-0.0, 0.0, 0.0]), 7]}
+    return {"tokens": tokens, "extra": batch["extra"]}
+
+
+KINDS = ["same", "one value", "swapped", "shape", "dtype", "negative zero"]
+
+
+def _check_kinds(rank: int, world: int) -> dict[str, str]:
+    outcome = {}
+    for kind in KINDS:
+        batch = _variant(_base_batch(), rank, kind)
+        if kind == "negative zero" and rank == 0:
+            batch = {"tokens": batch["tokens"], "extra": [torch.zeros(3), 7]}
+        try:
+            check_same_batch(batch, torch.distributed.group.WORLD)
+            outcome[kind] = "ok"
+        except ValueError as err:
+            outcome[kind] = str(err)
+    return outcome
+
+
+def test_check_same_batch_on_two_ranks(tmp_path):
+    for outcome in run_distributed(_check_kinds, 2, tmp_dir=tmp_path):
+        assert outcome["same"] == "ok"
+        for kind in KINDS[1:]:
+            assert "received different batches (global ranks [1] differ from rank 0)" in outcome[kind], kind
+            assert "seed_everything(workers=True)" in outcome[kind]
+
+
+def test_fingerprint_is_deterministic_and_ignores_non_tensors():
+    a, b = _base_batch(), _base_batch()
+    b["extra"][1] = "not a tensor"
+    torch.testing.assert_close(batch_fingerprint(a, torch.device("cpu")), batch_fingerprint(b, torch.device("cpu")))
+
+
+VOCAB, SEQ = 64, 8
+
+
+class RankSeededTokens(Dataset):
+    """Token sequences; with ``augment``, a random token masked, drawn from a per-rank seed."""
+
+    def __init__(self, augment: bool) -> None:
+        self.data = torch.randint(0, VOCAB, (16, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        self.augment = augment
+        self.gen = torch.Generator().manual_seed(1000 + torch.distributed.get_rank()) if augment else None
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        sample = self.data[index].clone()
+        if self.augment:
+            sample[torch.randint(0, SEQ, (1,), generator=self.gen)] = 0
+        return sample[:-1], sample[1:]
+
+
+def _fit_tp2(rank: int, world: int, augment: bool) -> str:
+    config = MoETransformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+        moe=MoEConfig(32, 16, 4, top_k=2),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=MoEStrategy(tensor_parallel_size=2, expert_parallel_size=1,
+                                                               expert_tensor_parallel_size=1),
+        max_steps=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(MoELanguageModel(config), DataLoader(RankSeededTokens(augment), batch_size=2))
+    except ValueError as err:
+        return str(err)
+    return f"trained {trainer.global_step} steps"
+
+
+@pytest.mark.parametrize("augment", [False, True], ids=["same-data", "rank-seeded-augmentation"])
+def test_moe_strategy_refuses_tensor_parallel_ranks_with_different_batches(tmp_path, augment):
+    for outcome in run_distributed(_fit_tp2, 2, augment, timeout_s=120, tmp_dir=tmp_path):
+        if augment:
+            assert "tensor-parallel group [0, 1] received different batches" in outcome
+        else:
+            assert outcome == "trained 2 steps"
