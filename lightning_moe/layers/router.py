@@ -15,6 +15,7 @@ non-reentrant ``torch.utils.checkpoint`` recomputes with grad enabled and would 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_moe.layers import losses
 from lightning_moe.layers.config import MoEConfig
-from lightning_moe.layers.router_metrics import METRIC_STAT_NAMES, routing_metric_stats
+from lightning_moe.layers.router_metrics import METRIC_STAT_NAMES, kept_assignments, routing_metric_stats
 from lightning_moe.layers.routing import (
     apply_input_jitter,
     apply_token_dropping,
@@ -67,6 +68,13 @@ def _identity(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def _autocast_disabled(device: torch.device) -> contextlib.AbstractContextManager:
+    # Devices without autocast (meta) cannot even disable it; there is nothing to turn off.
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
 @dataclass(frozen=True)
 class RouterReduction:
     """How a router's statistics are summed across ranks; the defaults describe one device.
@@ -102,9 +110,10 @@ class TopKRouter(nn.Module):
 
     State dict: ``weight`` ``[E, H]`` (``nn.Linear`` convention) and, with ``config.expert_bias``,
     the fp32 buffer ``expert_bias`` ``[E]``. Non-persistent buffers, read and reset by their
-    consumers: ``local_tokens_per_expert`` (int64 ``[E]``, valid tokens per expert of the final
-    routing map since the last reset; the expert-bias update sums it over TP x DP x CP, applies
-    :func:`update_expert_bias` and zeroes it), ``global_tokens_per_expert`` (int64 ``[E]``) and
+    consumers: ``local_tokens_per_expert`` (int64 ``[E]``, assignments of valid tokens per expert
+    chosen by top-k and kept by the capacity limit since the last reset; unlike upstream, filler
+    rows of ``pad_to_capacity`` are not counted; the expert-bias update sums it over TP x DP x CP,
+    applies :func:`update_expert_bias` and zeroes it), ``global_tokens_per_expert`` (int64 ``[E]``) and
     ``global_aux_loss_steps`` (int64 scalar) of the global aux loss (``reset_global_aux_loss_state``
     after every global batch), ``logged_loss_sums`` / ``logged_loss_counts`` (read with
     :meth:`logged_losses`), and the load-balance monitoring statistics ``metric_tokens_per_expert``
@@ -249,11 +258,24 @@ class TopKRouter(nn.Module):
         sequence aux loss; ``padding_mask`` ``[T]`` (True = padding) removes tokens from the losses
         and counts, not from routing. Order as upstream (ref. 2.2): jitter (training), logits in
         the router dtype, forced balancing, z-loss on the logits, top-k routing, capacity
-        (per this rank's ``T``), aux losses on the probs, expert-bias counts from the final map.
+        (per this rank's ``T``), aux losses on the probs, expert-bias counts of the kept assignments.
         Padding the map to ``config.router_padding_alignment`` is done after this, by the MoE
         layer with ``permute.pad_routing_map`` (those filler rows are not counted here).
+
+        Precision: everything from the gate GEMM on (scores, top-k, losses, capacity) runs in the
+        router dtype with autocast turned off, as Megatron keeps gating out of autocast, so
+        ``bf16-mixed`` routes exactly like fp32 training and the probs leave in the router dtype.
+        With ``router_dtype=None`` the router dtype is ``hidden.dtype``, never the autocast dtype:
+        fp32 activations under ``bf16-mixed`` route in fp32, bf16 activations (``bf16-true``, like
+        a Megatron bf16 model) in bf16.
         """
         self._validate_inputs(hidden, padding_mask, num_sequences)
+        with _autocast_disabled(hidden.device):
+            return self._route(hidden, padding_mask, num_sequences)
+
+    def _route(
+        self, hidden: Tensor, padding_mask: Tensor | None, num_sequences: int
+    ) -> tuple[Tensor, Tensor]:
         config = self.config
         record = self.training and torch.is_grad_enabled()
 
@@ -289,7 +311,9 @@ class TopKRouter(nn.Module):
         if record:
             probs = self._attach_load_balancing_losses(probs, logits, padding_mask, num_sequences)
             with torch.no_grad():
-                counted = routing_map if padding_mask is None else routing_map & (~padding_mask).unsqueeze(-1)
+                # Only real assignments are load: pad_to_capacity fillers counted would give every
+                # expert exactly `capacity` rows and freeze the expert bias (upstream counts them).
+                counted = kept_assignments(selected_map, routing_map, padding_mask)
                 self.local_tokens_per_expert += counted.sum(dim=0)
             stats = routing_metric_stats(
                 logits, selected_map, routing_map, config.top_k, config.score_func, padding_mask

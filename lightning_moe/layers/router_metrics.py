@@ -13,7 +13,8 @@ the valid tokens ``V`` (not marked as padding by ``padding_mask``):
   exactly ``K`` experts, with or without groups and expert bias);
 * ``tokens_per_expert[e]``: assignments of valid tokens to expert ``e`` that survive the capacity
   limit: the top-k map AND the final map, so filler rows of ``pad_to_capacity`` and of the
-  low-precision padding alignment are not load;
+  low-precision padding alignment are not load (:func:`kept_assignments`; the router's
+  expert-bias counts ``local_tokens_per_expert`` count the same assignments);
 * ``dropped = routed - sum(tokens_per_expert)``: assignments removed by the capacity limit
   (zero when dropless);
 * ``entropy_sum = sum_{t in V} H(s_t)`` with ``H(s) = -sum_e s_e ln s_e`` (nats, ``0 ln 0 = 0``)
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["METRIC_STAT_NAMES", "normalised_scores", "routing_metric_stats"]
+__all__ = ["METRIC_STAT_NAMES", "kept_assignments", "normalised_scores", "routing_metric_stats"]
 
 METRIC_STAT_NAMES = ("tokens_per_expert", "dropped", "routed", "entropy_sum", "tokens")
 """Keys of :func:`routing_metric_stats` and of ``TopKRouter.read_metric_stats`` (buffers ``metric_<key>``)."""
@@ -51,6 +52,17 @@ def normalised_scores(logits: Tensor, score_func: str) -> Tensor:
     else:
         raise ValueError(f"Unknown score_func {score_func!r}; choose one of ['softmax', 'sigmoid', 'sqrtsoftplus'].")
     return raw / raw.sum(dim=-1, keepdim=True).clamp_min(_TINY)
+
+
+def kept_assignments(selected_map: Tensor, final_map: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+    """``[T, E]`` bool: the real (token, expert) assignments, the load of ``tokens_per_expert``.
+
+    Chosen by top-k (``selected_map``), kept by the capacity limit (``final_map``) and of a valid
+    token (``padding_mask`` False). Filler rows of ``pad_to_capacity`` are in the final map only,
+    so they are not load; ``TopKRouter`` counts the same mask for the expert-bias update.
+    """
+    kept = selected_map & final_map
+    return kept if padding_mask is None else kept & (~padding_mask).unsqueeze(-1)
 
 
 @torch.no_grad()
@@ -76,17 +88,15 @@ def routing_metric_stats(
         ``tokens_per_expert`` int64 ``[E]``; ``dropped``, ``routed``, ``tokens`` int64 scalars;
         ``entropy_sum`` fp32 scalar.
     """
-    kept = selected_map & final_map
     scores = normalised_scores(logits.detach(), score_func)
     entropy = -torch.special.xlogy(scores, scores).sum(dim=-1)
     if padding_mask is None:
         tokens = torch.full((), logits.shape[0], dtype=torch.int64, device=logits.device)
     else:
         valid = ~padding_mask
-        kept = kept & valid.unsqueeze(-1)
         entropy = entropy * valid
         tokens = valid.sum()
-    tokens_per_expert = kept.sum(dim=0)
+    tokens_per_expert = kept_assignments(selected_map, final_map, padding_mask).sum(dim=0)
     routed = tokens * top_k
     return {
         "tokens_per_expert": tokens_per_expert,

@@ -115,6 +115,10 @@ def topk_routing(
       tensor used for selection (raw logits for softmax-post, softmax scores for pre, ``s + bias``).
     * ``probs *= scaling_factor`` when set, then probs are cast back to the logits dtype.
 
+    Autocast is not managed here: ``TopKRouter`` calls this with autocast off, and so should any
+    caller that wants the logits dtype throughout (CUDA autocast would run the sums of
+    half-precision scores in fp32).
+
     Returns:
         ``(probs [T, E], routing_map [T, E] bool)``: dense; probs are zero off the selected experts.
     """

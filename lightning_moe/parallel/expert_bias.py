@@ -3,7 +3,8 @@
 Reference ``megatron-core-moe.md`` sections 2.7 and 2.5.3 (Megatron's ``finalize_model_grads``:
 ``_update_router_expert_bias`` and the global aux-loss tracker reset). Every
 :class:`~lightning_moe.layers.router.TopKRouter` counts, in its int64 buffer
-``local_tokens_per_expert``, the tokens of the final routing map of each training micro-batch run
+``local_tokens_per_expert``, the kept real assignments (top-k choices that survive the capacity
+limit, of valid tokens; no ``pad_to_capacity`` filler rows) of each training micro-batch run
 with grad enabled (so a recomputed forward does not count twice, DESIGN.md rule 5). After the
 backward of the last micro-batch of a global batch, once per optimizer step:
 

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from layers.reference_values import REFERENCE_LOGITS
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe.layers.config import MoEConfig
-from lightning_moe.layers.router import RouterReduction, TopKRouter, topk_routing
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.layers.router import (
+    LOGGED_LOSS_NAMES,
+    RouterReduction,
+    TopKRouter,
+    topk_routing,
+    update_expert_bias,
+)
 
 # Reference values of section 2.13 are printed with 4-7 significant digits.
 REFERENCE_ATOL = 1e-4
@@ -18,7 +28,8 @@ FP32_LOSS_ATOL = 1e-6
 FP32_GRAD_ATOL = 1e-6
 # Sample std of 16k normal draws: its relative standard error is about 1/sqrt(2 * 16384) = 0.6%.
 INIT_STD_RTOL = 0.05
-
+# fp32 routing probabilities of the same logits computed twice: a few ulps of O(1) numbers.
+FP32_PROB_ATOL = 1e-6
 
 
 def _router(hidden_size: int = 4, identity_weight: bool = True, **overrides) -> TopKRouter:
@@ -236,12 +247,40 @@ def test_global_aux_loss_uses_the_running_mean_of_counts():
     assert router.global_aux_loss_steps.item() == 0 and router.global_tokens_per_expert.sum().item() == 0
 
 
-def test_capacity_padding_through_the_router_counts_filler_rows():
-    router = _router(capacity_factor=1.0, pad_to_capacity=True)
-    probs, routing_map = router(REFERENCE_LOGITS)
+def _kept_assignment_counts(logits, capacity, padding_mask=None, **routing):
+    """Oracle: per expert, the routed valid tokens among its ``capacity`` highest-probability ones.
+
+    Dropless top-k routing of ``logits``, then, in Python, each expert keeps the routed tokens of
+    highest probability (earlier token first on ties), as the ``probs`` drop policy specifies.
+    """
+    probs, routing_map = topk_routing(logits, 2, **routing)
+    counts = []
+    for expert in range(logits.shape[1]):
+        routed = [t for t in range(logits.shape[0]) if routing_map[t, expert]]
+        kept = sorted(routed, key=lambda t: (-probs[t, expert].item(), t))[:capacity]
+        counts.append(sum(1 for t in kept if padding_mask is None or not padding_mask[t]))
+    return counts
+
+
+@pytest.mark.parametrize("padding_mask", [None, torch.tensor([False, True, False, False, True, False])])
+def test_capacity_padding_counts_only_real_assignments_for_the_expert_bias(padding_mask):
+    settings = {"score_func": "sigmoid", "expert_bias": True, "capacity_factor": 1.0}
+    padded, dropping = _router(**settings, pad_to_capacity=True), _router(**settings)
+    probs, routing_map = padded(REFERENCE_LOGITS, padding_mask=padding_mask)
     assert routing_map.sum(0).tolist() == [3, 3, 3, 3]  # ceil(6 * 2 / 4 * 1.0) rows per expert
-    assert router.local_tokens_per_expert.tolist() == [3, 3, 3, 3]  # as upstream (ref. 2.7)
     assert (probs[routing_map] > 0).sum().item() == 10  # 12 kept rows, 2 of them zero-prob fillers
+    dropping(REFERENCE_LOGITS, padding_mask=padding_mask)
+    expected = _kept_assignment_counts(REFERENCE_LOGITS, 3, padding_mask, score_func="sigmoid")
+    # Filler rows are not load (a deliberate difference from upstream, which counts them, ref. 2.7):
+    # counted, every expert would hold exactly `capacity` rows and the bias would never move.
+    assert padded.local_tokens_per_expert.tolist() == expected
+    assert dropping.local_tokens_per_expert.tolist() == expected
+    assert padded.read_metric_stats()["tokens_per_expert"].tolist() == expected
+    bias = padded.expert_bias
+    updated = update_expert_bias(bias, padded.local_tokens_per_expert, 1e-3)
+    expected_update = update_expert_bias(bias, torch.tensor(expected), 1e-3)
+    torch.testing.assert_close(updated, expected_update, atol=0, rtol=0)
+    assert updated.abs().sum() > 0, f"expert bias did not move: counts {expected}"
 
 
 def test_force_load_balancing_routes_randomly_with_gradient_to_the_gate():
@@ -312,6 +351,126 @@ def test_meta_built_router_materialises_like_an_eager_one():
 def test_probs_are_in_the_router_dtype(router_dtype, input_dtype, probs_dtype):
     probs, _ = _router(router_dtype=router_dtype)(REFERENCE_LOGITS.to(input_dtype))
     assert probs.dtype == probs_dtype
+
+
+class _GemmDtypes(TorchDispatchMode):
+    """Records ``(operand dtypes, result dtype)`` of every matrix product, as dispatched after autocast."""
+
+    _GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple[torch.dtype, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._GEMMS:
+            operands = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+            self.calls.append((operands, out.dtype))
+        return out
+
+
+AUTOCAST_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+ROUTER_DTYPES = [
+    pytest.param("fp32", torch.float32, id="fp32"),
+    pytest.param("fp64", torch.float64, id="fp64"),
+]
+
+
+def _wide_router(**overrides) -> TopKRouter:
+    """E=16, K=4, H=32 with a random gate: enough near-ties that half-precision logits flip top-k."""
+    settings = {"hidden_size": 32, "ffn_hidden_size": 8, "num_experts": 16, "top_k": 4, **overrides}
+    router = TopKRouter(MoEConfig(**settings))
+    router.reset_parameters(torch.Generator().manual_seed(0))
+    return router.train()
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize(("router_dtype", "expected_dtype"), ROUTER_DTYPES)
+@pytest.mark.parametrize("autocast_dtype", AUTOCAST_DTYPES)
+def test_router_under_cpu_autocast_routes_in_the_router_dtype(
+    autocast_dtype, router_dtype, expected_dtype, score_func
+):
+    """bf16-mixed / 16-mixed training: the gate GEMM and everything after it ignore autocast."""
+    settings = {**ALL_LOSSES, "aux_loss_coeff": 0.01, "router_dtype": router_dtype, "score_func": score_func}
+    reference = _wide_router(**settings)
+    under_autocast = copy.deepcopy(reference)
+    hidden = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+    # Independent oracle: the logits computed in the router dtype, then dropless top-k routing.
+    logits = hidden.to(expected_dtype) @ reference.weight.detach().to(expected_dtype).T
+    want_probs, want_map = topk_routing(logits, 4, score_func=score_func)
+    reference(hidden)
+    with torch.autocast("cpu", dtype=autocast_dtype), _GemmDtypes() as gemms:
+        probs, routing_map = under_autocast(hidden)
+    assert gemms.calls == [((expected_dtype, expected_dtype), expected_dtype)]
+    assert probs.dtype == expected_dtype
+    assert torch.equal(routing_map, want_map), f"{(routing_map != want_map).any(1).sum()} tokens re-routed"
+    torch.testing.assert_close(probs, want_probs, atol=FP32_PROB_ATOL, rtol=0)
+    want_logged, logged = reference.logged_losses(), under_autocast.logged_losses()
+    assert set(logged) == set(want_logged) == set(LOGGED_LOSS_NAMES)
+    for name, value in want_logged.items():
+        torch.testing.assert_close(logged[name], value, atol=FP32_LOSS_ATOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [
+        pytest.param({"z_loss_coeff": 1e-2}, id="z-loss"),
+        pytest.param({"load_balancing": ["aux_loss"], "aux_loss_coeff": 0.1}, id="aux-loss"),
+        pytest.param(
+            {"load_balancing": ["seq_aux_loss", "global_aux_loss"], "aux_loss_coeff": 0.1}, id="seq-global"
+        ),
+    ],
+)
+@pytest.mark.parametrize("autocast_dtype", AUTOCAST_DTYPES)
+def test_router_loss_gradients_unchanged_under_cpu_autocast(autocast_dtype, losses):
+    reference = _wide_router(**losses)
+    under_autocast = copy.deepcopy(reference)
+    hidden = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for router, dtype in ((reference, None), (under_autocast, autocast_dtype)):
+        x = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            probs, _ = router(x, num_sequences=4)
+        (probs * 0.0).sum().backward()  # only the attached losses reach the gradients
+        grads.append((router.weight.grad, x.grad))
+    (want_weight_grad, want_hidden_grad), (weight_grad, hidden_grad) = grads
+    assert want_weight_grad.abs().sum() > 0
+    assert weight_grad.dtype == torch.float32 and hidden_grad.dtype == torch.float32
+    torch.testing.assert_close(weight_grad, want_weight_grad, atol=FP32_GRAD_ATOL, rtol=0)
+    torch.testing.assert_close(hidden_grad, want_hidden_grad, atol=FP32_GRAD_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("autocast_dtype", AUTOCAST_DTYPES)
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=["fp32-input", "bf16-input"])
+def test_router_dtype_none_follows_the_input_not_autocast(input_dtype, autocast_dtype):
+    """``router_dtype=None`` is the input's dtype (Megatron's meaning); autocast does not change it."""
+    reference = _wide_router(router_dtype=None)
+    hidden = torch.randn(256, 32, generator=torch.Generator().manual_seed(3)).to(input_dtype)
+    want_probs, want_map = reference(hidden)
+    with torch.autocast("cpu", dtype=autocast_dtype), _GemmDtypes() as gemms:
+        probs, routing_map = reference(hidden)
+    assert gemms.calls == [((input_dtype, input_dtype), input_dtype)]
+    assert probs.dtype == input_dtype
+    assert torch.equal(routing_map, want_map)
+    torch.testing.assert_close(probs, want_probs, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("autocast_dtype", AUTOCAST_DTYPES)
+def test_moe_layer_under_cpu_autocast_gets_router_dtype_probs(autocast_dtype):
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=32, ffn_hidden_size=8, num_experts=16, top_k=4)
+    layer = MoELayer(config, expert_kernel="loop")
+    outputs = []
+    layer.router.register_forward_hook(lambda module, args, output: outputs.append(output))
+    x = torch.randn(4, 64, 32)
+    layer(x)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        layer(x)
+    (want_probs, want_map), (probs, routing_map) = outputs
+    assert probs.dtype == torch.float32
+    assert torch.equal(routing_map, want_map)
+    torch.testing.assert_close(probs, want_probs, atol=FP32_PROB_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(

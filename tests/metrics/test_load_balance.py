@@ -113,7 +113,7 @@ def test_pad_to_capacity_fillers_are_not_load():
     stats = router.read_metric_stats()
     assert stats["tokens_per_expert"].tolist() == [1, 2, 2, 1]
     assert stats["dropped"].item() == 2
-    assert router.local_tokens_per_expert.tolist() == [2, 2, 2, 2]  # expert-bias counts include fillers
+    assert router.local_tokens_per_expert.tolist() == [1, 2, 2, 1]  # expert-bias counts exclude fillers too
 
 
 def test_sigmoid_entropy_uses_normalised_scores():
