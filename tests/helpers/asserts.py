@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def worst_error(previous: float, error: float) -> float:
+    """The larger of two errors, NaN if either is: plain ``max(0.0, nan)`` is 0.0 and hides a NaN."""
+    return math.nan if math.isnan(previous) or math.isnan(error) else max(previous, error)
+
+
+def exceeds(error: float, tol: float) -> bool:
+    """True when ``error`` is above ``tol`` or not a number (``nan > tol`` is False)."""
+    return not error <= tol
 
 
 def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str) -> None:

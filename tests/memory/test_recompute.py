@@ -18,6 +18,7 @@ import weakref
 import lightning as L
 import pytest
 import torch
+from helpers.asserts import exceeds, worst_error
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe import MoEConfig, MoELayer
@@ -399,13 +400,13 @@ def _parallel_run_equals_plain(rank: int, world: int, recompute: list[str], offl
             loss = lm_loss(m, batch)
             loss.backward()
             losses.append(loss.detach())
-        worst["loss"] = max(worst.get("loss", 0.0), (losses[0] - losses[1]).abs().item())
+        worst["loss"] = worst_error(worst.get("loss", 0.0), (losses[0] - losses[1]).abs().item())
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             err = (local(p.grad) - local(q.grad)).abs().max().item()
-            worst[name] = max(worst.get(name, 0.0), err)
+            worst[name] = worst_error(worst.get(name, 0.0), err)
         for (name, b), c in zip(model.named_buffers(), plain.buffers()):
             if not b.is_floating_point():
-                worst[name] = max(worst.get(name, 0.0), float((b != c).sum()))
+                worst[name] = worst_error(worst.get(name, 0.0), float((b != c).sum()))
     for i in (0, 1):  # dispatcher byte counters: one forward dispatch per micro-batch, recompute not counted
         got, want = model.layers[i].ffn.dispatcher.stats, plain.layers[i].ffn.dispatcher.stats
         assert want.dispatches == 2 and want.dispatch_bytes > 0
@@ -427,5 +428,5 @@ def test_tensor_and_expert_parallel_runs_equal_the_plain_parallel_run(recompute,
     from helpers.dist import run_distributed
 
     results = run_distributed(_parallel_run_equals_plain, 2, recompute, offload, timeout_s=180, tmp_dir=tmp_path)
-    failures = {f"rank {r}: {k}": v for r, worst in enumerate(results) for k, v in worst.items() if v > 1e-5}
+    failures = {f"rank {r}: {k}": v for r, worst in enumerate(results) for k, v in worst.items() if exceeds(v, 1e-5)}
     assert not failures, failures

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.asserts import exceeds, worst_error
 from helpers.dist import run_distributed
 from torch.distributed.tensor import DTensor
 
@@ -71,7 +72,7 @@ def _train_and_compare(rank: int, world: int, layout: dict, clip: float | None) 
     worst: dict[str, float] = {}
 
     def note(key: str, err: float) -> None:
-        worst[key] = max(worst.get(key, 0.0), err)
+        worst[key] = worst_error(worst.get(key, 0.0), err)
 
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 + step)
@@ -113,7 +114,7 @@ def test_tensor_parallel_training_equals_single_device(layout, clip, tmp_path):
         f"rank {rank}: {key}": err
         for rank, worst in enumerate(results)
         for key, err in worst.items()
-        if err > {"loss": LOSS_TOL, "grad norm": GRAD_TOL}.get(key, GRAD_TOL if key.startswith("grad") else WEIGHT_TOL)
+        if exceeds(err, {"loss": LOSS_TOL, "grad norm": GRAD_TOL}.get(key, GRAD_TOL if key.startswith("grad") else WEIGHT_TOL))
     }
     assert not failures, failures
 
