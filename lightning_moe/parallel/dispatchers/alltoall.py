@@ -17,7 +17,9 @@ Split sizes need the token counts of every rank: in dropless (and capacity-dropp
 are all-gathered over the ETP x EP group and read to the host once per dispatch, the only
 device-to-host synchronisation. In drop-and-pad mode every (rank, expert) pair carries exactly
 ``capacity`` rows, so all sizes are static and nothing is read from the device; that mode needs
-the same number of tokens on every rank (as upstream), which a device-side assert checks.
+the same number of tokens on every rank (as upstream). That is checked once, on the first
+dispatch of each dispatcher (every rank dispatches it together), with one small all-gather and a
+device-side assert on accelerators; later dispatches pay nothing for it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ class AllToAllMetadata:
     """Rows each ETP rank received from its all-to-all (the ETP all-gather sizes)."""
     row_index: Tensor | None
     """Expert-major order of the received rows (None when they already are, e.g. one local expert)."""
+    row_index_is_permutation: bool = True
+    """``row_index`` names every received row exactly once: the experts may scatter their outputs
+    back with a deterministic ``index_copy`` instead of an accumulating ``index_add``."""
 
 
 class AllToAllDispatcher:
@@ -71,6 +76,7 @@ class AllToAllDispatcher:
         member_coords = [dims.coords(rank) for rank in ctx.ranks("etp_ep")]
         self._gather_row_of = {(c.etp, c.ep): i for i, c in enumerate(member_coords)}
         self.stats = DispatchStats()
+        self._token_counts_checked = False
 
     # -- split bookkeeping ------------------------------------------------------------------------
 
@@ -103,7 +109,9 @@ class AllToAllDispatcher:
         """Per-(rank, expert) row counts of every rank of the ETP x EP group, as host lists."""
         num_tokens, num_experts = routing_map.shape
         if self.config.pad_to_capacity:
-            self._check_equal_token_counts(routing_map)
+            if not self._token_counts_checked:
+                self._check_equal_token_counts(routing_map)
+                self._token_counts_checked = True
             rows = padded_expert_rows(num_tokens, self.config.top_k, num_experts, self.config.capacity_factor)
             return [[rows] * num_experts for _ in self._gather_row_of]
         local = routing_map.sum(0)
@@ -112,8 +120,9 @@ class AllToAllDispatcher:
     def _check_equal_token_counts(self, routing_map: Tensor) -> None:
         """Drop-and-pad sizes are computed from this rank's token count alone: all must agree.
 
-        Checked without a host read on accelerators (a device-side assert), so the mode stays
-        free of synchronisation; on CPU the comparison is a plain host check.
+        Run on the first dispatch only (an all-gather every forward would cost a collective per
+        layer and micro-batch for a property of the data pipeline). Checked without a host read on
+        accelerators (a device-side assert); on CPU the comparison is a plain host check.
         """
         local = torch.tensor([routing_map.shape[0]], device=routing_map.device)
         counts = gather_sizes(local, self.etp_ep_group).view(-1)
