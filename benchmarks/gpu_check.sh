@@ -49,9 +49,15 @@ print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no
 EOF
 
 # 1. Tests marked gpu or te (tests/conftest.py turns missing hardware into skips with a reason).
+# Only the files that hold such tests are collected: others may import what a GPU image lacks
+# (jsonargparse for the CLI tests), and one collection error would stop the whole run.
+mapfile -t gpu_test_files < <(grep -rlE 'pytest\.mark\.(gpu|te)\b' tests --include='test_*.py' | sort)
 run_step "pytest -m 'gpu or te'" "$pytest_timeout" "$out/pytest.log" \
-    "$python_bin" -m pytest -m "gpu or te" -q -rs -p no:cacheprovider --junitxml="$out/pytest.xml"
+    "$python_bin" -m pytest "${gpu_test_files[@]}" -m "gpu or te" -q -rs -p no:cacheprovider \
+    --junitxml="$out/pytest.xml"
 pytest_summary=$(grep -E '(passed|failed|skipped|error)' "$out/pytest.log" | tail -1)
+# The GPU-path checks by name, each one or more of the tests above.
+"$python_bin" benchmarks/gpu_path_report.py "$out/pytest.xml" >"$out/gpu_path.txt" 2>&1
 
 # 2. Benchmarks with a GPU mode. Each runs only if the file exists and supports --device cuda.
 has_cuda=$("$python_bin" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
@@ -84,6 +90,7 @@ bench train_throughput benchmarks/train_throughput.py
 echo
 echo "GPU check: results in $out"
 echo "pytest: ${pytest_summary:-no summary (see $out/pytest.log)}"
+cat "$out/gpu_path.txt"
 printf '%-28s %-8s %7s  %s\n' "step" "status" "time" "log"
 for row in "${rows[@]}"; do
     echo "$row"
