@@ -108,3 +108,15 @@ def test_rank_dying_without_report_gives_exit_code(tmp_path):
     with pytest.raises(DistributedTestError, match=r"rank 1 exited with code 3 without reporting"):
         run_distributed(_rank_one_exits, 2, tmp_dir=tmp_path)
     _assert_no_child_alive()
+
+
+def test_error_maxima_keep_nan():
+    """The tests' worst-error bookkeeping fails on NaN (plain ``max(0.0, nan)`` is 0.0 and passes)."""
+    import math
+
+    from helpers.asserts import exceeds, worst_error
+
+    assert max(0.0, math.nan) == 0.0  # the pattern this replaces
+    assert math.isnan(worst_error(0.0, math.nan)) and math.isnan(worst_error(math.nan, 0.0))
+    assert worst_error(1e-7, 2e-7) == 2e-7
+    assert exceeds(math.nan, 1e-5) and exceeds(2e-5, 1e-5) and not exceeds(1e-6, 1e-5)
