@@ -50,6 +50,7 @@ from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel
 from lightning_moe.parallel.batch_agreement import check_same_batch
 from lightning_moe.parallel.dispatchers import DISPATCHERS
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.grad_scaler import agree_on_overflow
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
@@ -281,6 +282,9 @@ class MoEStrategy(ParallelStrategy):
         self.model_to_device()
         self._loss_grad_scale = LossGradScale(self.root_device)
         self._loss_grad_scale.bind(self.model)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:  # 16-mixed: expert shards differ per rank, the skip decision must not
+            agree_on_overflow(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             self._add_expert_bias_updater(trainer)
             if self._grad_sync is None:
