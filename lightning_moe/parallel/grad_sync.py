@@ -13,15 +13,36 @@ Every gradient is pre-scaled by ``1 / (DP * CP)`` (the dense data-parallel world
 * dense parameters sharded by tensor parallelism (DTensors with a ``Shard`` placement) over
   ``dp_cp`` only; a gradient with another layout is first brought to the parameter's.
 
+Gradients live in persistent bucket buffers, one flat tensor per bucket (one group, one dtype),
+allocated at the first backward: ``param.grad`` is a view of its slot, as with DDP's
+``gradient_as_bucket_view`` and Megatron's grad buffers, so the reduction works in place and the
+module holds one copy of its gradients. The first gradient of a step (``param.grad`` was None
+after ``zero_grad(set_to_none=True)``, Lightning's default) is copied into its slot and
+``param.grad`` becomes the view (a DTensor parameter's gradient: the view wrapped with
+``DTensor.from_local``; a tensor-replicated one is held as ``Partial`` until reduced, so that
+later micro-batches add their partial sums in place); later micro-batches accumulate into the
+view in place and ``zero_grad(set_to_none=False)`` zeroes it. After the all-reduce nothing is
+written back.
+
 Reduction overlaps the backward pass: a post-accumulate-grad hook marks each parameter ready and
 a bucket is launched (asynchronously) as soon as it and every bucket before it are ready, so all
 ranks launch collectives in the same order whatever order their hooks fire in. Inside
 :meth:`GradSync.no_sync` (gradient accumulation) nothing is launched; :meth:`GradSync.finish`
-launches what is left, waits, and writes the reduced gradients back. ``finish`` does nothing when
-no gradient arrived since the last one, so calling it twice never reduces twice. With
-``overlap=False`` (manual optimization, where several backward passes may precede one step)
-every reduction waits for ``finish``. A parameter without a gradient on this rank contributes
-zeros; one without a gradient on any rank keeps ``grad=None`` (a flag travels with each bucket).
+launches what is left and waits. ``finish`` does nothing when no gradient arrived since the last
+one, so calling it twice never reduces twice. With ``overlap=False`` (manual optimization, where
+several backward passes may precede one step) every reduction waits for ``finish``. A parameter
+without a gradient on this rank contributes zeros; one without a gradient on any rank keeps
+``grad=None``: a flag per parameter travels at the end of each bucket, written on the device, and
+is read back (one device-to-host copy per ``finish``) only if some parameter had no gradient here.
+
+With ``explicit_backward=True`` the hooks act only between :meth:`GradSync.begin_backward` and
+:meth:`GradSync.end_backward` (the strategy arms them around Lightning's training backward). A
+backward outside that window (a callback's probe, a validation step under
+``torch.enable_grad()``) launches nothing, marks nothing and makes no later ``finish`` reduce; its
+gradients accumulate into ``param.grad`` as autograd does, into the bucket view where it is one.
+They count in the next reduction unless zeroed first: Lightning's loop zeroes the gradients before
+every training backward that starts an accumulation window, so a probe between optimizer steps is
+dropped, while one between the micro-batches of an accumulation window adds to them.
 """
 
 from __future__ import annotations
@@ -33,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
@@ -59,39 +80,95 @@ def _local_grad(param: Tensor, tp_size: int) -> Tensor:
     grad = param.grad
     if not isinstance(grad, DTensor):
         return grad
-    if any(isinstance(p, Partial) for p in grad.placements):
+    replicated = reduce_group_name(param) == "tp_dp_cp"
+    if replicated and any(isinstance(p, Partial) for p in grad.placements):
         return grad.to_local()  # a partial sum: exactly what the reduction adds up
     if isinstance(param, DTensor) and grad.placements != param.placements:
-        grad = grad.redistribute(param.device_mesh, param.placements)  # e.g. Replicate -> Shard: a slice
+        # e.g. Replicate -> Shard: a slice; Partial -> Shard: a reduce-scatter over TP.
+        grad = grad.redistribute(param.device_mesh, param.placements)
     local = grad.to_local()
-    if reduce_group_name(param) == "tp_dp_cp" and tp_size > 1:
+    if replicated and tp_size > 1:
         local = local / tp_size  # already summed over TP; the reduction below sums it again
     return local
 
 
+def _accumulating_placements(param: Tensor) -> tuple | None:
+    """Layout of a DTensor gradient between its first micro-batch and the reduction (None: plain).
+
+    A tensor-replicated parameter's slot holds this rank's share of the TP sum, so its gradient is
+    ``Partial`` there: a later ``Partial`` micro-batch adds in place and a ``Replicate`` one is
+    divided by TP on the way in, both by DTensor's own in-place rules. Sharded parameters keep
+    their layout (DTensor slices or reduce-scatters what arrives).
+    """
+    if not isinstance(param, DTensor):
+        return None
+    if reduce_group_name(param) != "tp_dp_cp":
+        return tuple(param.placements)
+    return tuple(Partial() if isinstance(p, Replicate) else p for p in param.placements)
+
+
 @dataclass
 class _Bucket:
+    """Parameters of one group and one dtype and their persistent flat buffer.
+
+    ``buffer`` (allocated at first use, on the parameters' device) holds every parameter's
+    gradient slot back to back, then one flag per parameter (how many ranks had a gradient).
+    """
+
     params: list[nn.Parameter]
     group_name: str
     dtype: torch.dtype
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    """Gradient elements; the flags follow them in ``buffer``."""
     ready: set[int] = field(default_factory=set)
-    flat: Tensor | None = None
+    buffer: Tensor | None = None
+    """Gradient slots then flags; every ``param.grad`` of the bucket is a view into it."""
+    slots: list[Tensor] = field(default_factory=list)
+    """Each parameter's slot, a view of ``buffer`` in the parameter's local shape."""
+    missing: list[int] = field(default_factory=list)
+    """Parameters without a gradient on this rank at the last launch."""
     handle: object | None = None
 
     def is_ready(self) -> bool:
         return len(self.ready) == len(self.params)
 
+    def flags(self) -> Tensor:
+        """The flag region of ``buffer``: one element per parameter."""
+        return self.buffer[self.numel :]
+
 
 class GradSync:
-    """Bucketed, overlapped gradient reduction of one module over the groups of a `ParallelContext`."""
+    """Bucketed, overlapped gradient reduction of one module over the groups of a `ParallelContext`.
+
+    Args:
+        module: the (parallelized) module, already cast to its final dtypes (one buffer per
+            bucket dtype, fixed here); the buffers are allocated on the parameters' device at the
+            first backward, and a parameter moved or cast after that raises there.
+        ctx: the parallel context whose groups the gradients are summed over.
+        bucket_size_mb: cap of one bucket's gradients, in MiB.
+        overlap: launch buckets during backward (False: everything in :meth:`finish`).
+        explicit_backward: the hooks act only between :meth:`begin_backward` and
+            :meth:`end_backward` (default False: during every backward).
+    """
 
     def __init__(
-        self, module: nn.Module, ctx: ParallelContext, bucket_size_mb: float = 25.0, overlap: bool = True
+        self,
+        module: nn.Module,
+        ctx: ParallelContext,
+        bucket_size_mb: float = 25.0,
+        overlap: bool = True,
+        *,
+        explicit_backward: bool = False,
     ) -> None:
         self.ctx = ctx
         self.scale = 1.0 / (ctx.size("dp") * ctx.size("cp"))
         self.overlap = overlap
         """Launch buckets during backward (False: everything in :meth:`finish`)."""
+        self.explicit_backward = explicit_backward
+        """Hooks act only between :meth:`begin_backward` and :meth:`end_backward`."""
+        self._tp = ctx.size("tp")
+        self._armed = not explicit_backward
         self._sync_enabled = True
         self._pending = False
         self._next_launch = 0
@@ -108,17 +185,17 @@ class GradSync:
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         buckets: list[_Bucket] = []
         open_buckets: dict[tuple[str, torch.dtype], _Bucket] = {}
-        sizes: dict[tuple[str, torch.dtype], int] = {}
         for p in params:
             key = (reduce_group_name(p), _local(p).dtype)  # one group and one dtype per flat buffer
-            nbytes = _local(p).numel() * _local(p).element_size()
+            numel = _local(p).numel()
             bucket = open_buckets.get(key)
-            if bucket is None or sizes[key] + nbytes > cap_bytes:
+            if bucket is None or (bucket.numel + numel) * _local(p).element_size() > cap_bytes:
                 bucket = _Bucket([], *key)
                 buckets.append(bucket)
-                open_buckets[key], sizes[key] = bucket, 0
+                open_buckets[key] = bucket
             bucket.params.append(p)
-            sizes[key] += nbytes
+            bucket.offsets.append(bucket.numel)
+            bucket.numel += numel
         return buckets
 
     @contextmanager
@@ -135,32 +212,94 @@ class GradSync:
         """False inside :meth:`no_sync`."""
         return self._sync_enabled
 
+    def begin_backward(self) -> None:
+        """Arm the hooks for the backward pass that follows (needed with ``explicit_backward=True``)."""
+        self._armed = True
+
+    def end_backward(self) -> None:
+        """Disarm the hooks again (with ``explicit_backward=True``; otherwise they stay armed)."""
+        self._armed = not self.explicit_backward
+
+    # -- buffers --------------------------------------------------------------------------------
+
+    def _allocate(self, bucket: _Bucket) -> None:
+        first = _local(bucket.params[0])
+        bucket.buffer = torch.zeros(bucket.numel + len(bucket.params), dtype=bucket.dtype, device=first.device)
+        bucket.slots = [
+            bucket.buffer[offset : offset + _local(p).numel()].view(_local(p).shape)
+            for p, offset in zip(bucket.params, bucket.offsets)
+        ]
+
+    def _wrap(self, param: Tensor, slot: Tensor, placements: tuple | None) -> Tensor:
+        """``slot`` as ``param``'s gradient: itself, or a DTensor with ``placements`` around it."""
+        if placements is None:
+            return slot
+        return DTensor.from_local(slot, param.device_mesh, placements, run_check=False)
+
+    def _adopt(self, bucket: _Bucket, j: int) -> None:
+        """Make ``param.grad`` (not None) a view of its slot, holding this rank's contribution."""
+        param, grad = bucket.params[j], bucket.params[j].grad
+        if bucket.buffer is None:
+            self._allocate(bucket)
+        slot, local = bucket.slots[j], _local(grad)
+        if local.data_ptr() == slot.data_ptr() and local.numel() == slot.numel():
+            placements = _accumulating_placements(param)
+            if placements is not None and tuple(grad.placements) != placements:
+                # The reduced layout, kept by zero_grad(set_to_none=False): DTensor summed what
+                # arrived since over TP on the in-place add; hold it as this rank's share again.
+                if self._tp > 1:
+                    slot.div_(self._tp)
+                param.grad = self._wrap(param, slot, placements)
+            return
+        if local.device != slot.device or _local(param).dtype != bucket.dtype:
+            raise RuntimeError(
+                f"GradSync's buffer for a parameter of shape {tuple(param.shape)} is {bucket.dtype} on "
+                f"{slot.device}, but the parameter is now {_local(param).dtype} with its gradient on "
+                f"{local.device}: build GradSync after the model's final .to(device, dtype)."
+            )
+        slot.copy_(_local_grad(param, self._tp))
+        param.grad = self._wrap(param, slot, _accumulating_placements(param))
+
+    # -- reduction ------------------------------------------------------------------------------
+
     def _on_grad_ready(self, param: Tensor) -> None:
+        if not self._armed:
+            return  # a backward outside the training step: see the module docstring
         self._pending = True
+        i, j = self._bucket_of[id(param)]
+        with torch.no_grad():
+            self._adopt(self.buckets[i], j)
         if not (self._sync_enabled and self.overlap):
             return
-        i, j = self._bucket_of[id(param)]
         self.buckets[i].ready.add(j)
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].is_ready():
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 
+    @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
-        pieces = []
-        tp = self.ctx.size("tp")
-        for p in bucket.params:
-            local = _local(p)
-            pieces.append(torch.zeros(local.numel(), dtype=bucket.dtype, device=local.device)
-                          if p.grad is None else _local_grad(p, tp).reshape(-1).to(bucket.dtype))
-        # One flag per parameter after the gradients: how many ranks had a gradient for it.
-        flags = torch.tensor([p.grad is not None for p in bucket.params], dtype=bucket.dtype, device=pieces[0].device)
-        bucket.flat = torch.cat([*pieces, flags])
-        bucket.flat[: bucket.flat.numel() - flags.numel()].mul_(self.scale)
+        bucket.missing = []
+        for j, p in enumerate(bucket.params):
+            if p.grad is None:
+                bucket.missing.append(j)
+            else:
+                self._adopt(bucket, j)  # usually done by its hook already: then only a pointer check
+        if bucket.buffer is None:
+            self._allocate(bucket)
+        for j in bucket.missing:
+            bucket.slots[j].zero_()
+        if self.scale != 1.0:
+            bucket.buffer[: bucket.numel].mul_(self.scale)
         if self.ctx.size(bucket.group_name) > 1:
-            bucket.handle = dist.all_reduce(bucket.flat, group=self.ctx.group(bucket.group_name), async_op=True)
+            # Flags written on the device (no host list to copy): 1 where this rank had a gradient.
+            flags = bucket.flags()
+            flags.fill_(1)
+            for j in bucket.missing:
+                flags[j].fill_(0)
+            bucket.handle = dist.all_reduce(bucket.buffer, group=self.ctx.group(bucket.group_name), async_op=True)
 
     def finish(self) -> None:
-        """Launch the remaining buckets, wait for all of them and write the reduced gradients back.
+        """Launch the remaining buckets and wait for all of them; the gradients are then reduced.
 
         A no-op when no gradient arrived since the last call (every rank must agree on that: call
         it on all ranks after the same backward passes).
@@ -173,23 +312,24 @@ class GradSync:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
-            offset = 0
-            flags = bucket.flat[bucket.flat.numel() - len(bucket.params) :].tolist()
-            for p, had_grad in zip(bucket.params, flags):
-                local = _local(p)
-                reduced = bucket.flat[offset : offset + local.numel()].view_as(local).to(local.dtype)
-                offset += local.numel()
-                if not had_grad:
-                    continue  # no rank produced a gradient: keep None, as the optimizer expects
-                if isinstance(p, DTensor):
-                    # Replace the gradient: its layout may have differed (Partial, Replicate) from the parameter's.
-                    p.grad = DTensor.from_local(reduced.clone(), p.device_mesh, p.placements, run_check=False)
-                elif p.grad is None:
-                    p.grad = reduced.clone()
-                else:
-                    p.grad.copy_(reduced)
+        # A parameter that had a gradient here has one after the sum; only the others' flags are
+        # read, all buckets in one device-to-host copy (none at all in the usual case).
+        unread = [b for b in self.buckets if b.missing and b.handle is not None]
+        counts = torch.cat([b.flags().float() for b in unread]).tolist() if unread else []
+        had_somewhere: dict[int, set[int]] = {}
+        for bucket in unread:
+            had_somewhere[id(bucket)] = {j for j in bucket.missing if counts[j] > 0}
+            counts = counts[len(bucket.params) :]
+        for bucket in self.buckets:
+            revived = had_somewhere.get(id(bucket), set())
+            for j, p in enumerate(bucket.params):
+                if j in revived or (isinstance(p.grad, DTensor) and p.grad.placements != p.placements):
+                    # No gradient here but some elsewhere, or a DTensor held as Partial: the slot
+                    # now holds the reduced gradient in the parameter's own layout.
+                    p.grad = self._wrap(p, bucket.slots[j], tuple(p.placements) if isinstance(p, DTensor) else None)
             bucket.ready.clear()
-            bucket.flat = bucket.handle = None
+            bucket.missing = []
+            bucket.handle = None
         self._next_launch = 0
         self._pending = False
 
