@@ -8,12 +8,30 @@ CPU, nccl on GPU, the ``fake`` backend in layout tests) and wraps them, read-onl
 * ``dense_mesh`` with dims ``(pp, dp, cp, tp)``: attention, norms, router, shared expert;
 * ``expert_mesh`` with dims ``(pp, edp, ep, etp)``: routed experts.
 
+Communicators come in two classes that never share a process group object, even where their
+member lists coincide (at TP=1 with EP=DP, ``ep`` and ``dp`` both span the world):
+
+* `CRITICAL_PATH_GROUPS` (``tp cp tp_cp ep etp etp_ep``): collectives inside the forward and
+  backward of every layer, which the next computation waits for: the token all-to-all and
+  all-gather of the dispatchers, tensor/sequence-parallel gathers and scatters, the router's
+  per-step loss sums (re-run in backward under recompute), context-parallel attention;
+* all other names, among them the gradient reductions ``dp dp_cp tp_dp_cp edp``: the bucket
+  all-reduces that `GradSync` keeps in flight during backward. On NCCL a process group has one
+  stream, so a dispatch all-to-all on the reduction communicator would queue behind them.
+
+Within a class, names with the same members share one object (``ep`` and ``etp_ep`` at ETP=1 are
+one communicator; ``dp`` and ``dp_cp`` at CP=1 another): their collectives are issued one after the
+other by the same code anyway, and every distinct communicator costs a connection (NCCL: its own
+buffers on the device). The pipeline names (``pp tp_pp etp_ep_pp``) carry no collective yet and
+stay in the second class.
+
 Cost: ``torch.distributed.new_group`` is collective over the whole world (every rank must call it
 for every group, in the same order, members or not), so building a context makes one call per
-distinct member list over all `GROUP_NAMES` (at most ``len(GROUP_NAMES) * world_size``, far fewer
-after de-duplication). Non-member calls are cheap bookkeeping; member calls connect the group
-(gloo) or are lazy until first use (nccl without a bound device). Measured on CPU: 512 fake ranks
-build in ~20 ms, six layouts on 4 forked gloo ranks in well under a second including the fork.
+distinct member list in each class over all `GROUP_NAMES` (at most ``len(GROUP_NAMES) *
+world_size``, far fewer after de-duplication). Non-member calls are cheap bookkeeping; member
+calls connect the group (gloo) or are lazy until first use (nccl without a bound device). Measured
+on CPU: 512 fake ranks build in ~20 ms, seven layouts on 4 forked gloo ranks in well under a
+second including the fork.
 ``use_local_synchronization=True`` would let non-members skip the call, but it names groups by a
 hash of their members, so a second context over the same member lists (a rebuilt strategy, several
 layouts in one test) would fail with a duplicate group name. The meshes are built with
@@ -32,7 +50,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.parallel.dims import GROUP_NAMES, MESH_DIM_NAMES, ParallelDims, RankCoords
 
-__all__ = ["ParallelContext", "build_parallel_context"]
+__all__ = ["CRITICAL_PATH_GROUPS", "ParallelContext", "build_parallel_context"]
+
+CRITICAL_PATH_GROUPS = frozenset({"tp", "cp", "tp_cp", "ep", "etp", "etp_ep"})
+"""Group names whose communicators are never shared with the gradient reductions' (module docstring)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,7 +62,9 @@ class ParallelContext:
 
     Built by `build_parallel_context`; immutable. Group names are `GROUP_NAMES`
     (``tp cp dp dp_cp tp_cp tp_dp_cp pp tp_pp ep etp edp etp_ep etp_ep_pp``). Names whose
-    member lists coincide share one process group object.
+    member lists coincide share one process group object only if both are in
+    `CRITICAL_PATH_GROUPS` or both are not: token dispatch never shares a communicator with the
+    gradient reductions (module docstring).
     """
 
     dims: ParallelDims
@@ -110,16 +133,18 @@ def build_parallel_context(dims: ParallelDims, device_type: str) -> ParallelCont
     rank = dist.get_rank()
     groups: dict[str, dist.ProcessGroup] = {}
     members: dict[str, tuple[int, ...]] = {}
-    # One process group per distinct member list. Every rank walks the same names and lists in
-    # the same order, which is what new_group requires (its default names are a global counter).
-    created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    # One process group per distinct (class, member list). Every rank walks the same names and
+    # lists in the same order, which is what new_group requires (its default names are a global
+    # counter).
+    created: dict[tuple[bool, tuple[int, ...]], dist.ProcessGroup | None] = {}
     for name in GROUP_NAMES:
+        critical = name in CRITICAL_PATH_GROUPS
         for group_ranks in dims.groups(name):
-            key = tuple(group_ranks)
+            key = (critical, tuple(group_ranks))
             if key not in created:
-                created[key] = dist.new_group(list(key), group_desc=f"lightning_moe_{name}")
-            if rank in key:
-                groups[name], members[name] = created[key], key
+                created[key] = dist.new_group(list(key[1]), group_desc=f"lightning_moe_{name}")
+            if rank in key[1]:
+                groups[name], members[name] = created[key], key[1]
 
     dense_mesh, expert_mesh = (
         _mesh_from_groups(dims, kind, groups, device_type) for kind in ("dense", "expert")

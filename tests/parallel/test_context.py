@@ -85,12 +85,40 @@ def test_context_is_immutable_and_checks_names(fake_world):
         ctx.global_rank = 0
     with pytest.raises(TypeError):
         ctx._members["tp"] = (0,)
-    # Names with the same members share one process group object (A: tp == tp_cp, ep == etp_ep).
+    # Names of one class with the same members share one process group object (A: tp == tp_cp,
+    # ep == etp_ep); see test_dispatch_groups_have_their_own_communicators for the classes.
     assert ctx.group("tp") is ctx.group("tp_cp") and ctx.group("ep") is ctx.group("etp_ep")
     assert "rank 3 of world 8" in str(ctx)
     for lookup in (ctx.group, ctx.ranks, ctx.size, ctx.rank_in):
         with pytest.raises(ValueError, match=r"unknown group name 'mp'; expected one of tp, cp"):
             lookup("mp")
+
+
+REDUCTION_GROUPS = ("dp", "dp_cp", "tp_dp_cp", "edp")  # the gradient buckets' all-reduces
+
+
+def check_dispatch_apart_from_reduction(ctx) -> None:
+    """No token-dispatch group object is a gradient-reduction group object, whatever their members."""
+    for dispatch in ("tp", "ep", "etp", "etp_ep"):
+        for reduction in REDUCTION_GROUPS:
+            assert ctx.group(dispatch) is not ctx.group(reduction), (dispatch, reduction)
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(8, ep=8), ParallelDims(8, ep=4), ParallelDims(8, tp=2, etp=1, ep=4)],
+                         ids=str)
+def test_dispatch_groups_have_their_own_communicators(fake_world, dims):
+    # TP=1, EP=DP: ep, etp_ep, dp, dp_cp and tp_dp_cp have the same members (the world) but the
+    # all-to-all must not queue behind the overlapped gradient all-reduces on one communicator.
+    for rank in (0, dims.world_size - 1):
+        fake_world(rank, dims.world_size)
+        ctx = build_parallel_context(dims, "cpu")
+        check_context_matches_dims(ctx, dims, rank)
+        check_dispatch_apart_from_reduction(ctx)
+        if dims.tp == 1 and dims.ep == dims.world_size:
+            assert ctx.ranks("ep") == ctx.ranks("dp") == ctx.ranks("tp_dp_cp") == list(range(dims.world_size))
+            assert ctx.group("ep") is not ctx.group("dp")
+            assert ctx.group("ep") is ctx.group("etp_ep")  # one class, same members: shared
+            assert ctx.group("dp") is ctx.group("dp_cp") is ctx.group("tp_dp_cp")
 
 
 def test_world_size_mismatch(fake_world):
@@ -110,6 +138,7 @@ def test_needs_an_initialised_process_group():
 
 GLOO_LAYOUTS = [
     ParallelDims(4),  # pure DP
+    ParallelDims(4, ep=4),  # TP=1, EP=DP: dispatch and reduction groups have the same members
     ParallelDims(4, tp=2, etp=1, ep=4),  # folded: EP spans two TP groups
     ParallelDims(4, etp=2, ep=2),  # expert TP with dense DP=4
     ParallelDims(4, tp=2, cp=2, etp=1, ep=4),  # CP and EP folded onto the same ranks
@@ -123,6 +152,7 @@ def _collect_group_facts(rank: int, world_size: int, layouts: list[ParallelDims]
     facts = []
     for dims in layouts:
         ctx = build_parallel_context(dims, "cpu")
+        check_dispatch_apart_from_reduction(ctx)
         sums, sizes, ranks_in = {}, {}, {}
         for name in GROUP_NAMES:
             value = torch.tensor([float(rank)])
