@@ -9,6 +9,7 @@ Every configuration is also checked to give the same loss and gradients as ``non
     python benchmarks/memory.py                       # the table, well under a minute
     python benchmarks/memory.py --output memory.md    # also as markdown
     python benchmarks/memory.py --rss                 # plus peak RSS of a training step per config
+    python benchmarks/memory.py --grad-sync           # gradient bytes of a backward + reduction step
 
 Predictions come from the design (``megatron-core-moe.md`` 4.2/4.3): ``moe_act`` recompute drops
 the activation output, ``N x F x 4`` bytes per layer (``K x F x 4`` per token, ``N = T x K``); the
@@ -22,6 +23,14 @@ The expert kernel's GEMMs run through ``torch.mm`` here (``set_cpu_gemm_backend(
 the counts do not depend on the CPU: where the kernel picks oneDNN instead, it pads each expert's
 rows (``lightning_moe.layers.cpu_gemm.padded_row_count``, at most 1/8 more, 16 rows minimum) and
 its saved fc1 output and activation grow by that padding.
+
+``--grad-sync`` measures instead the gradient bytes at the peak of one backward + reduction step
+(after a warm-up step, ``zero_grad(set_to_none=True)`` as Lightning does) of the same model under
+`GradSync` (persistent bucket buffers, ``param.grad`` a view) and under the scheme it replaced
+(each bucket concatenated into a fresh flat tensor at launch, alive until ``finish``, then copied
+back; reimplemented here as `ConcatenatingGradSync`). Counted exactly: the distinct storages of
+every ``param.grad`` and of the reducer's buffers, sampled before and after every gradient hook
+and around ``finish`` (a one-rank gloo group: what is measured is one rank's memory, not the wire).
 """
 
 from __future__ import annotations
@@ -32,9 +41,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from lightning_moe import MoEConfig
 from lightning_moe.layers.cpu_gemm import set_cpu_gemm_backend
@@ -47,6 +59,8 @@ from lightning_moe.memory import (
     apply_selective_recompute,
 )
 from lightning_moe.models import MoETransformer, MoETransformerConfig
+from lightning_moe.parallel import ParallelDims, build_parallel_context
+from lightning_moe.parallel.grad_sync import GradSync
 
 FP32 = 4
 COMBINATION = (("moe_act", "layernorm"), ("expert_fc1", "moe_act", "core_attn", "attn_proj"))
@@ -84,8 +98,7 @@ def build(sizes: Sizes) -> MoETransformer:
         num_attention_heads=sizes.heads, num_kv_heads=sizes.kv_heads, ffn_hidden_size=4 * sizes.hidden,
         max_seq_len=sizes.seq, qk_norm=True,
         moe=MoEConfig(hidden_size=sizes.hidden, ffn_hidden_size=sizes.ffn, num_experts=sizes.experts,
-                      top_k=sizes.top_k, shared_expert_ffn_hidden_size=sizes.shared_ffn,
-                      aux_loss_coeff=1e-2, z_loss_coeff=1e-3),
+                      top_k=sizes.top_k, shared_expert_ffn_hidden_size=sizes.shared_ffn, z_loss_coeff=1e-3),
     ))
     for module in model.modules():
         if isinstance(module, GroupedExperts):
@@ -196,10 +209,197 @@ def same_run(row: dict, none: dict) -> bool:
     return all(torch.allclose(row["grads"][n], g, rtol=1e-4, atol=1e-6) for n, g in none["grads"].items())
 
 
+# ---------------------------------------------------------------------------------------------
+# --grad-sync: gradient bytes of a backward + reduction step
+
+GRAD_SYNC_BUCKET_MB = 0.5
+"""Bucket cap of the --grad-sync runs: several buckets for this small model."""
+
+
+class ConcatenatingGradSync:
+    """The reduction `GradSync` replaced, for the "before" rows: same buckets, launch order and hooks.
+
+    At launch each bucket is concatenated into a fresh flat tensor (gradients, zeros for missing
+    ones, then one flag per parameter sent from a host list); the flats live until `finish`,
+    which waits and copies the reduced values back into ``param.grad``. Plain parameters only.
+    """
+
+    def __init__(self, module: torch.nn.Module, ctx, bucket_size_mb: float) -> None:
+        layout = GradSync(module, ctx, bucket_size_mb)  # only for its bucket layout
+        layout.remove_hooks()
+        self.ctx, self.scale = ctx, layout.scale
+        self.buckets = [(b.params, b.group_name) for b in layout.buckets]
+        self.flats: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._handles: list[object | None] = [None] * len(self.buckets)
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._where = {id(p): (i, j) for i, (params, _) in enumerate(self.buckets) for j, p in enumerate(params)}
+        self._next, self._pending, self._sync_enabled = 0, False, True
+        for params, _ in self.buckets:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate without launching, as `GradSync.no_sync`."""
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = True
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._pending = True
+        if not self._sync_enabled:
+            return
+        i, j = self._where[id(param)]
+        self._ready[i].add(j)
+        while self._next < len(self.buckets) and len(self._ready[self._next]) == len(self.buckets[self._next][0]):
+            self._launch(self._next)
+            self._next += 1
+
+    @torch.no_grad()
+    def _launch(self, i: int) -> None:
+        params, group = self.buckets[i]
+        pieces = [torch.zeros(p.numel(), dtype=p.dtype) if p.grad is None else p.grad.reshape(-1) for p in params]
+        flags = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype)
+        flat = self.flats[i] = torch.cat([*pieces, flags])
+        flat[: flat.numel() - len(params)].mul_(self.scale)
+        if self.ctx.size(group) > 1:
+            self._handles[i] = dist.all_reduce(flat, group=self.ctx.group(group), async_op=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch the rest, wait, copy the reduced gradients back."""
+        if not self._pending:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        for i, (params, _) in enumerate(self.buckets):
+            if self._handles[i] is not None:
+                self._handles[i].wait()
+            flat, offset = self.flats[i], 0
+            had = flat[flat.numel() - len(params) :].tolist()
+            for p, flag in zip(params, had):
+                reduced = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if flag and p.grad is None:
+                    p.grad = reduced.clone()
+                elif flag:
+                    p.grad.copy_(reduced)
+            self.flats[i] = self._handles[i] = None
+            self._ready[i].clear()
+        self._next, self._pending = 0, False
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The flats alive now."""
+        return [f for f in self.flats if f is not None]
+
+
+def _sync_buffers(sync) -> list[torch.Tensor]:
+    if isinstance(sync, ConcatenatingGradSync):
+        return sync.buffers()
+    return [b.buffer for b in sync.buckets if b.buffer is not None]
+
+
+def _bucket_bytes(sync) -> list[int]:
+    buckets = [params for params, _ in sync.buckets] if isinstance(sync, ConcatenatingGradSync) else [
+        b.params for b in sync.buckets]
+    return [sum(p.numel() * p.element_size() for p in params) for params in buckets]
+
+
+class GradientBytes:
+    """Peak bytes of the distinct storages behind every ``param.grad`` and the reducer's buffers."""
+
+    def __init__(self, params: list[torch.nn.Parameter], buffers: Callable[[], list[torch.Tensor]]) -> None:
+        self.params, self.buffers, self.peak = params, buffers, 0
+
+    def sample(self, *_: object) -> None:
+        """Count now; usable as a post-accumulate-grad hook."""
+        storages = {}
+        for tensor in [p.grad for p in self.params if p.grad is not None] + self.buffers():
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        self.peak = max(self.peak, sum(storages.values()))
+
+
+def grad_sync_step(base: MoETransformer, batch: torch.Tensor, ctx, reducer: type, micro_batches: int) -> dict:
+    """Peak gradient bytes of the second of two steps, and the reduced gradients."""
+    model = copy.deepcopy(base)
+    params = [p for p in model.parameters() if p.requires_grad]
+    sync = None
+    probe = GradientBytes(params, lambda: _sync_buffers(sync))
+    # Hooks run in registration order: these see each gradient before and after the reducer's hook.
+    hooks = [p.register_post_accumulate_grad_hook(probe.sample) for p in params]
+    sync = reducer(model, ctx, GRAD_SYNC_BUCKET_MB)
+    hooks += [p.register_post_accumulate_grad_hook(probe.sample) for p in params]
+    micro = batch.chunk(micro_batches)
+    for _ in range(2):  # the first step allocates GradSync's buffers; the second is measured
+        model.zero_grad(set_to_none=True)
+        probe.peak = 0
+        for i, part in enumerate(micro):
+            with sync.no_sync() if i < micro_batches - 1 else nullcontext():
+                (model.loss(part[:, :-1], part[:, 1:]) / micro_batches).backward()
+        probe.sample()
+        sync.finish()
+        probe.sample()
+    for hook in hooks:
+        hook.remove()
+    buckets = _bucket_bytes(sync)
+    return {
+        "peak": probe.peak,
+        "one_copy": sum(p.numel() * p.element_size() for p in params),
+        "flags": len(params) * params[0].element_size(),
+        "largest_bucket": max(buckets),
+        "largest_param": max(p.numel() * p.element_size() for p in params),
+        "buckets": len(buckets),
+        "grads": [p.grad.clone() for p in params],
+    }
+
+
+def grad_sync_table(base: MoETransformer, batch: torch.Tensor) -> tuple[str, str]:
+    """(intro, markdown table) of --grad-sync."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ctx = build_parallel_context(ParallelDims(1), "cpu")
+        header = ["reducer", "micro-batches", "peak gradient bytes", "one copy of the gradients", "peak / one copy",
+                  "peak - one copy - flags", "bound: one copy + flags + largest bucket", "within bound",
+                  "same grads as before"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for micro_batches in (1, 2):
+            before = grad_sync_step(base, batch, ctx, ConcatenatingGradSync, micro_batches)
+            after = grad_sync_step(base, batch, ctx, GradSync, micro_batches)
+            for name, row in (("concatenated flat per bucket (before)", before),
+                              ("GradSync: persistent bucket buffers", after)):
+                bound = row["one_copy"] + row["flags"] + row["largest_bucket"]
+                same = all(torch.equal(a, b) for a, b in zip(row["grads"], before["grads"]))
+                lines.append("| " + " | ".join([
+                    name, str(micro_batches), str(row["peak"]), str(row["one_copy"]),
+                    f"{row['peak'] / row['one_copy']:.3f}", str(row["peak"] - row["one_copy"] - row["flags"]),
+                    str(bound), "yes" if row["peak"] <= bound else "NO",
+                    "yes" if same else "NO",
+                ]) + " |")
+    finally:
+        dist.destroy_process_group()
+    intro = (
+        f"Same MoETransformer (fp32, {sum(p.numel() for p in base.parameters())} parameters, "
+        f"{len(list(base.parameters()))} tensors), one rank, buckets of at most {GRAD_SYNC_BUCKET_MB} MiB "
+        f"({before['buckets']} buckets, largest {before['largest_bucket']} B; largest parameter "
+        f"{before['largest_param']} B). Peak = largest sum of distinct gradient storages (every param.grad and "
+        f"the reducer's buffers) over the samples of the second step; flags: one element per parameter "
+        f"({before['flags']} B). GradSync's excess over one copy is autograd's fresh gradient of one "
+        "parameter before its hook copies it into the bucket (the first micro-batch after zero_grad).\n"
+    )
+    return intro, "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="", help="also write the table to this markdown file")
     parser.add_argument("--rss", action="store_true", help="peak RSS growth of a step per config (subprocesses)")
+    parser.add_argument("--grad-sync", action="store_true",
+                        help="gradient bytes of a backward + reduction step instead (module docstring)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -207,6 +407,15 @@ def main() -> None:
     sizes = Sizes()
     base = build(sizes)
     batch = torch.randint(0, sizes.vocab, (sizes.batch, sizes.seq + 1), generator=torch.Generator().manual_seed(1))
+    if args.grad_sync:
+        intro, table = grad_sync_table(base, batch)
+        print(intro)
+        print(table)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(f"# Gradient-sync memory\n\n`python benchmarks/memory.py --grad-sync` "
+                        f"(torch {torch.__version__})\n\n{intro}\n{table}\n")
+        return
 
     configs = [("none", (), ())]
     configs += [(f"recompute {m}", (m,), ()) for m in RECOMPUTE_MODULES]

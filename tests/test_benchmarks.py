@@ -97,3 +97,24 @@ def test_train_throughput_smoke(tmp_path):
         assert tokens_per_s > 0, (case, rows[case])
         assert re.fullmatch(r"[0-9]+\.[0-9]%", rows[case][5]), (case, rows[case])  # MFU (0.0% when heavily loaded)
     assert output.read_text().strip() in out
+
+
+def test_memory_grad_sync_smoke(tmp_path):
+    # Byte counts are exact: the persistent bucket buffers stay within one copy of the gradients
+    # plus flags plus one bucket; the concatenating scheme before them held two copies.
+    output = tmp_path / "memory.md"
+    out = _run("memory.py", "--grad-sync", "--output", str(output))
+    lines = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| reducer")]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
+    assert [(r[0], r[1]) for r in rows] == [
+        (reducer, micro)
+        for micro in ("1", "2")
+        for reducer in ("concatenated flat per bucket (before)", "GradSync: persistent bucket buffers")
+    ], rows
+    for reducer, _, peak, one_copy, ratio, *_, within, same in rows:
+        assert same == "yes", rows
+        if reducer.startswith("GradSync"):
+            assert within == "yes" and int(peak) < 1.2 * int(one_copy), rows
+        else:
+            assert ratio == "2.000", rows
+    assert output.read_text().strip().endswith(lines[-1])
