@@ -20,7 +20,10 @@ rule 1: model code is single-device, parallelism is applied afterwards in one fi
 4. **Parallelize.** ``parallelize(model, ctx, dispatcher)``: tensor + sequence parallelism of
    attention and dense layers over TP, then experts sharded over EP x ETP (each rank keeps its
    slice; the expert parameters are tagged so that steps 5 and 8 treat them as expert shards),
-   with the token dispatcher bound to the expert groups.
+   with the token dispatcher bound to the expert groups. On CPU, ``agree_on_cpu_gemm(model)``
+   makes every rank use the expert GEMM library rank 0 measured as fastest.
+   ``set_aux_loss_scale(model, 1.0)``: the aux / z-loss gradients are scaled like the loss, which
+   this loop does not scale (no GradScaler) or accumulate.
 5. **Gradient sync.** ``GradSync(model, ctx)`` registers hooks on the parallelized parameters (so
    it comes after step 4). During backward it reduces gradient buckets asynchronously (dense over
    DP x CP, and over TP too for parameters replicated across it; experts over EDP; all pre-scaled
@@ -61,8 +64,10 @@ except ImportError:  # a source checkout that is not pip-installed: use the repo
 
 from lightning_moe import MoEConfig
 from lightning_moe.data import ByteTokenizer, build_datasets
+from lightning_moe.layers import set_aux_loss_scale
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
+from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
 from lightning_moe.parallel.dispatchers import DISPATCHERS
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
@@ -160,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
         model = MoETransformer(model_config(args.seq))
     # 4. Parallelize: TP/SP, then EP/ETP (this rank keeps its shards).
     parallelize(model, ctx, dispatcher=args.dispatcher)
+    if device.type == "cpu":
+        agree_on_cpu_gemm(model)  # every rank computes the experts with the GEMM library rank 0 chose
+    # The aux / z-loss gradients scale like the loss: this loop neither scales nor accumulates it.
+    set_aux_loss_scale(model, 1.0)
     model.train()
     # 5. Gradient sync hooks on the parallelized parameters, 6. the optimizer.
     sync = GradSync(model, ctx)

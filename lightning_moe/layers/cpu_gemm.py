@@ -11,7 +11,10 @@ only the summation order differs, so results agree to fp32 rounding, not bit for
 expert's fc1 GEMM with both libraries and takes oneDNN only when it is clearly faster (by
 :data:`ONEDNN_MIN_SPEEDUP`); close calls stay on ATen, so the choice does not flip between runs
 on machines where the two are level. ``LIGHTNING_MOE_CPU_GEMM``, :func:`set_cpu_gemm_backend` or
-:func:`use_cpu_gemm_backend` forces a library (and with it bit-identical reruns).
+:func:`use_cpu_gemm_backend` forces a library (and with it bit-identical reruns). Ranks of one
+job must not choose differently (their results would differ in the last bits):
+``lightning_moe.parallel.parallelize`` measures on rank 0 and pins its choices on every rank
+(:func:`pin_cpu_gemm_choices`).
 
 oneDNN compiles one kernel per problem shape and keeps a bounded cache of them (1024 by default,
 shared with everything else in the process). Expert row counts change every step, so with oneDNN
@@ -30,15 +33,15 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "BACKENDS", "ENV_VAR", "ONEDNN_MIN_ROWS", "ONEDNN_MIN_SPEEDUP", "AtenGemm", "OneDnnGemm", "cpu_gemm_backend",
-    "gemm_for", "onednn_available", "padded_row_count", "prefer_onednn", "set_cpu_gemm_backend",
-    "use_cpu_gemm_backend",
+    "gemm_for", "measured_cpu_gemm_choice", "onednn_available", "padded_row_count", "pin_cpu_gemm_choices",
+    "prefer_onednn", "set_cpu_gemm_backend", "use_cpu_gemm_backend",
 ]
 
 BACKENDS = ("auto", "aten", "onednn")
@@ -55,6 +58,7 @@ ONEDNN_MIN_ROWS = 16
 
 _PROBE_MAX_FEATURES = 2048
 _forced: str | None = None
+_pinned: dict[tuple[int, int], str] = {}  # (in, out) -> backend, see pin_cpu_gemm_choices
 _measure_lock = threading.Lock()
 
 
@@ -250,5 +254,28 @@ def gemm_for(device: torch.device, dtype: torch.dtype, in_features: int, out_fea
         return AtenGemm
     name = cpu_gemm_backend()
     if name == "auto":
-        name = _measured_choice(in_features, out_features) if onednn_available() else "aten"
+        name = _pinned.get((in_features, out_features)) or measured_cpu_gemm_choice(in_features, out_features)
     return OneDnnGemm if name == "onednn" else AtenGemm
+
+
+def measured_cpu_gemm_choice(in_features: int, out_features: int) -> str:
+    """What ``auto`` picks here for an fp32 fc1 ``[out_features, in_features]`` by measurement.
+
+    Measured once per process, shape and thread count (the result is cached); ``aten`` where
+    torch has no usable oneDNN. :func:`pin_cpu_gemm_choices` overrides it.
+    """
+    return _measured_choice(in_features, out_features) if onednn_available() else "aten"
+
+
+def pin_cpu_gemm_choices(choices: Mapping[tuple[int, int], str] | None) -> None:
+    """Make ``auto`` use ``choices[(in_features, out_features)]`` instead of measuring; None clears.
+
+    For processes that must compute alike: a multi-process run measures on one rank and pins
+    that rank's choices everywhere (``lightning_moe.parallel.agree_on_cpu_gemm``), since each
+    process would otherwise measure for itself and the ranks could sum in different orders.
+    Shapes missing from ``choices`` are still measured. A forced backend (:func:`set_cpu_gemm_backend`
+    or :data:`ENV_VAR`) takes precedence.
+    """
+    _pinned.clear()
+    for shape, name in (choices or {}).items():
+        _pinned[tuple(shape)] = _validate(_normalise(name), "pin_cpu_gemm_choices")

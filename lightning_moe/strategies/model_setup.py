@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
 from lightning_moe.parallel.expert_parallel import is_expert_param
 from lightning_moe.parallel.parallelize import parallelize
 
@@ -75,17 +76,22 @@ def move_materialized(model: nn.Module, device: torch.device) -> None:
     model._apply(lambda tensor: tensor if tensor.is_meta else tensor.to(device))
 
 
-def prepare_model(model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str) -> None:
+def prepare_model(
+    model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str
+) -> dict[tuple[int, int], str]:
     """Move ``model`` to ``device``, start every rank from rank 0's state, then apply the layout.
 
     The order matters on accelerators: the broadcasts of :func:`broadcast_initial_state` and the
     tensor-parallel sharding of :func:`~lightning_moe.parallel.parallelize` (``distribute_tensor``
     scatters from rank 0) are collectives, which a device-only process group (NCCL) cannot run on
-    CPU tensors. Meta-device tensors are left for :func:`materialize`.
+    CPU tensors. Meta-device tensors are left for :func:`materialize`. On CPU the expert
+    kernels' GEMM library is then chosen on rank 0 for every rank; returns those choices (see
+    :func:`~lightning_moe.parallel.cpu_gemm_agreement.agree_on_cpu_gemm`), empty elsewhere.
     """
     move_materialized(model, device)
     broadcast_initial_state(model)
     parallelize(model, ctx, dispatcher=dispatcher)
+    return agree_on_cpu_gemm(model) if device.type == "cpu" else {}
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
