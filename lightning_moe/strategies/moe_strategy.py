@@ -45,9 +45,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.layers.loss_scale import LossGradScale
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context
 from lightning_moe.parallel.batch_agreement import check_same_batch
+from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
 from lightning_moe.parallel.dispatchers import DISPATCHERS
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_scaler import agree_on_overflow
@@ -265,7 +267,12 @@ class MoEStrategy(ParallelStrategy):
         layout = (self.parallel_context.dims, self.dispatcher)
         applied = getattr(self.model, "_lightning_moe_layout", None)
         if applied is None:
-            prepare_model(self.model, self.parallel_context, self.root_device, self.dispatcher)
+            gemm_choices = prepare_model(self.model, self.parallel_context, self.root_device, self.dispatcher)
+            if gemm_choices:
+                rank_zero_info(
+                    f"MoEStrategy: CPU expert GEMMs through {describe_cpu_gemm_choices(gemm_choices)} (measured on "
+                    f"rank 0, used by every rank; {CPU_GEMM_ENV_VAR}=aten or onednn forces one library)"
+                )
             self.model._lightning_moe_layout = layout
         elif applied != layout:
 
@@ -292,7 +299,7 @@ class MoEStrategy(ParallelStrategy):
                 # the step (or on clipping / finish_grad_sync) instead of during backward.
                 self._grad_sync = GradSync(
                     self.model, self.parallel_context, self.bucket_size_mb,
-                    overlap=trainer.lightning_module.automatic_optimization,
+                    overlap=trainer.lightning_module.automatic_optimization, explicit_backward=True,
                 )
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
@@ -376,6 +383,21 @@ class MoEStrategy(ParallelStrategy):
     def no_sync(self):
         """Context manager for manual optimization: accumulate gradients without reducing them."""
         return self.block_backward_sync()
+
+    def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's training backward, with the gradient-sync hooks armed for exactly its duration.
+
+        A backward run elsewhere (a callback, a validation step under ``enable_grad``) is then
+        neither reduced nor launched; see :class:`~lightning_moe.parallel.grad_sync.GradSync`.
+        """
+        sync = self._grad_sync
+        if sync is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        sync.begin_backward()
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            sync.end_backward()
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Before each training backward: the aux/z-loss gradient scale follows the main loss's."""
