@@ -12,7 +12,9 @@ Why a custom autograd function rather than ``grouped_mm`` under autograd:
   beat whole-tensor grouped GEMMs on CPU at large sizes).
 * The optional ``row_index`` fuses the permutation into the kernel: rows are gathered from the
   unpermuted tokens and the outputs scatter-added back, one expert at a time, so the ``[N, H]``
-  permuted copies of the tokens and of the outputs are never built (forward or backward).
+  permuted copies of the tokens and of the outputs are never built (forward or backward). When
+  ``row_index`` is a pure permutation (each row exactly once), the scatters are ``index_copy``:
+  deterministic on every device, where CUDA's ``index_add`` accumulates with atomics.
 * Weight gradients are written straight into one ``[E, out, in]`` tensor, never per-expert
   indexing of a stacked parameter under autograd (which zero-fills a full-size gradient per
   expert).
@@ -22,13 +24,18 @@ Why a custom autograd function rather than ``grouped_mm`` under autograd:
   padding rows' results are zero or dropped).
 
 On CUDA the per-expert loop is kept for correctness; the grouped GEMM path in
-:mod:`lightning_moe.layers.experts` is chosen there instead.
+:mod:`lightning_moe.layers.experts` is chosen there instead where it has a fast path.
+
+Both kernels compute in :func:`expert_compute_dtype` (autocast's dtype under autocast, with the
+CPU half-precision policy) and accumulate per-token sums in :func:`accumulation_dtype`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +43,11 @@ from torch import Tensor
 
 from lightning_moe.layers.activations import activation_backward, activation_fn, activation_with_cache
 from lightning_moe.layers.cpu_gemm import gemm_for
+from lightning_moe.layers.permute import check_permutation_sizes
 
-__all__ = ["ExpertGradWorkspace", "ExpertMLPFunction", "GroupedActivationFc2Function", "expert_mlp",
-           "grouped_activation_fc2", "reference_expert_mlp"]
+__all__ = ["ExpertGradWorkspace", "ExpertMLPFunction", "GroupedActivationFc2Function", "accumulation_dtype",
+           "autocast_disabled", "cpu_has_bf16_units", "expert_compute_dtype", "expert_mlp", "grouped_activation_fc2",
+           "reference_expert_mlp"]
 
 
 @functools.cache
@@ -52,22 +61,36 @@ def cpu_has_bf16_units() -> bool:
     return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
 
 
-def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the expert GEMMs run in: the autocast dtype when autocast is on, else the input's.
+def expert_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the expert GEMMs of both kernels run in, for inputs of ``dtype`` on ``device``.
 
-    On CPU half precision is computed in fp32 unless the CPU has bf16 units (then bf16 stays bf16):
-    CPUs without them run bf16 GEMMs ~28x slower than fp32.
+    The autocast dtype when autocast is on for ``device`` (``grouped_mm`` is in none of autocast's
+    cast lists, so the kernels cast themselves), else the input's. On CPU half precision is
+    computed in fp32 unless the CPU has bf16 units (then bf16 stays bf16): CPUs without them run
+    bf16 GEMMs ~28x slower than fp32.
     """
-    if torch.is_autocast_enabled(device.type):
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         return torch.bfloat16 if dtype == torch.bfloat16 and cpu_has_bf16_units() else torch.float32
     return dtype
 
 
-def _accumulation_dtype(compute_dtype: torch.dtype) -> torch.dtype:
-    # Per-token sums over K experts (and input gradients) accumulate in fp32 when computing in half
-    # precision, as upstream's unpermute does in the (fp32) probs dtype.
+def autocast_disabled(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off for ``device``'s type, for kernels that cast their operands explicitly.
+
+    Devices without autocast (meta) cannot even disable it; there is nothing to turn off there.
+    """
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+def accumulation_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-token sums over K experts (and input gradients) accumulate in.
+
+    fp32 when computing in half precision, as upstream's unpermute does in the (fp32) probs dtype.
+    """
     return torch.float32 if compute_dtype in (torch.bfloat16, torch.float16) else compute_dtype
 
 
@@ -77,27 +100,78 @@ class ExpertGradWorkspace:
     A fresh ``[E, 2F, H]`` gradient every step costs page faults on CPU (allocations this large
     come straight from the operating system), about 3% of an MoE layer's backward at realistic
     sizes. The workspace keeps the storage and hands autograd a new tensor over it each step, so
-    ``param.grad`` ends up in the same memory (as Megatron's persistent gradient buffers do).
+    ``param.grad`` ends up in the same memory (as Megatron's persistent gradient buffers do), or,
+    when ``param.grad`` already exists (e.g. a view into a gradient-sync bucket), autograd adds the
+    workspace tensor into it in place and the memory is free again.
 
-    The one visible effect: a gradient tensor someone kept from an earlier step is overwritten by
-    the next backward (``optimizer.zero_grad(set_to_none=True)`` frees it otherwise). While the
-    parameter's current gradient lives in the workspace (gradient accumulation), a fresh tensor is
-    used instead, so accumulated values are never overwritten.
+    The memory is never handed out while it may still hold a gradient; a fresh tensor is used then:
+
+    * the parameter's current gradient lives in it (gradient accumulation over backward calls,
+      ``zero_grad(set_to_none=False)``);
+    * it was handed out earlier in this backward and autograd has not accumulated it into the
+      parameter yet: the layer is used twice in one backward (DPO chosen/rejected passes, siamese
+      losses, shared weights), whose two weight gradients autograd sums only once both exist. A
+      post-accumulate-grad hook on the parameter marks the memory free again when that backward
+      (the same graph task: a nested backward, as in reentrant checkpointing, does not count)
+      has accumulated the gradient. A backward that never accumulates (``torch.autograd.grad``)
+      leaves the memory marked, so the next backward uses a fresh tensor: safe, just slower once.
+
+    The one visible effect: a gradient tensor someone kept from an earlier step (after
+    ``zero_grad(set_to_none=True)``) is overwritten by the next backward.
     """
 
     def __init__(self) -> None:
         self._storage: dict[str, Tensor] = {}
+        self._lent: dict[str, int] = {}
+        """Names whose memory is handed out, with the graph task (backward call) it was handed to."""
+        self._hooked: dict[str, tuple[weakref.ref, object]] = {}
+
+    def __getstate__(self) -> dict:
+        # A cache: copies (deepcopy, pickling) start empty; hook handles and weakrefs do not copy.
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def gradient_for(self, name: str, param: Tensor, dtype: torch.dtype) -> Tensor:
-        """An uninitialised tensor shaped like ``param`` for its gradient."""
+        """An uninitialised tensor shaped like the leaf ``param`` for its gradient."""
         kept = self._storage.get(name)
         if kept is None or kept.shape != param.shape or kept.dtype != dtype or kept.device != param.device:
             kept = self._storage[name] = torch.empty(param.shape, dtype=dtype, device=param.device)
+        self._watch(name, param)
         current = param.grad
-        if current is not None and current.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr():
+        in_grad = current is not None and current.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
+        if name in self._lent or in_grad:
             return torch.empty_like(kept)
+        self._lent[name] = _graph_task_id()
         # A new tensor object over the kept storage: autograd adopts it as param.grad without a copy.
         return kept.view(kept.shape)
+
+    def _watch(self, name: str, param: Tensor) -> None:
+        """Hook ``param`` (once per parameter object) so that its accumulation frees the memory."""
+        hooked = self._hooked.get(name)
+        if hooked is not None and hooked[0]() is param:
+            return
+        if hooked is not None:
+            hooked[1].remove()
+        handle = param.register_post_accumulate_grad_hook(_release_hook(weakref.ref(self), name))
+        self._hooked[name] = (weakref.ref(param), handle)
+
+
+def _graph_task_id() -> int:
+    """Id of the backward call running now (-1 outside one, or where torch cannot tell)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
+def _release_hook(workspace: weakref.ref, name: str) -> Callable[[Tensor], None]:
+    # Weak: a workspace that was dropped (grad_workspace = None) must not be kept alive by the hook.
+    def release(param: Tensor) -> None:
+        owner = workspace()
+        if owner is not None and owner._lent.get(name) == _graph_task_id():
+            del owner._lent[name]
+
+    return release
 
 
 def _padded_index(row_index: Tensor | None, counts: list[int], padded: list[int]) -> Tensor | None:
@@ -133,12 +207,14 @@ class ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, fc1, fc2, fc2_bias, probs, counts, row_index, num_out_rows, activation, save_act, workspace, cdt,
-        gemm,
+        gemm, permutation,
     ):
         act = activation_fn(activation)
         n_rows = sum(counts)
         out_rows = n_rows if row_index is None else num_out_rows
-        out = torch.zeros(out_rows, fc2.shape[1], dtype=_accumulation_dtype(cdt), device=x.device)
+        # A permutation writes every output row exactly once: no zero fill, no accumulation.
+        alloc = torch.empty if permutation else torch.zeros
+        out = alloc(out_rows, fc2.shape[1], dtype=accumulation_dtype(cdt), device=x.device)
         padded = [gemm.padded_rows(n) for n in counts]
         index = _padded_index(row_index, counts, padded)
         # One buffer per expert rather than one [N, 2F] block: blocks this size come straight from
@@ -160,15 +236,19 @@ class ExpertMLPFunction(torch.autograd.Function):
                 y += p[:n].to(cdt) * fc2_bias[e].to(cdt)
             if row_index is None:
                 out[rows] = y
+            elif permutation:
+                out.index_copy_(0, row_index[rows], y.to(out.dtype))
             else:
                 out.index_add_(0, row_index[rows], y.to(out.dtype))
             start += n
         # The unpadded row index: the one the experts' saved-tensor tagging knows (never offloaded).
         ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, *fc1_outs, *act_outs)
         ctx.counts, ctx.padded, ctx.activation, ctx.compute_dtype = counts, padded, activation, cdt
-        ctx.workspace, ctx.gemm = workspace, gemm
-        # The parameters themselves (weakly): saved-tensor hooks hand backward other tensor
-        # objects, whose .grad says nothing about the gradient being accumulated.
+        ctx.gemm, ctx.permutation = gemm, permutation
+        # The workspace only for leaf weights (the parameters themselves, not a cast copy) of the
+        # compute dtype, whose gradient is param.grad itself; kept weakly: saved-tensor hooks hand
+        # backward other tensor objects, whose .grad says nothing about the gradient accumulated.
+        ctx.workspace = workspace if all(w.is_leaf and w.dtype == cdt for w in (fc1, fc2)) else None
         ctx.weights = (weakref.ref(fc1), weakref.ref(fc2))
         return out.to(x.dtype)
 
@@ -181,7 +261,9 @@ class ExpertMLPFunction(torch.autograd.Function):
         cdt, gemm = ctx.compute_dtype, ctx.gemm
         grad_out = grad_out.to(cdt)
         need_x, need_w1, need_w2, need_b, need_p = ctx.needs_input_grad[:5]
-        grad_x = torch.zeros(x.shape, dtype=_accumulation_dtype(cdt), device=x.device) if need_x else None
+        # Every row of x receives exactly one row's gradient through a permutation: no zero fill.
+        alloc = torch.empty if ctx.permutation else torch.zeros
+        grad_x = alloc(x.shape, dtype=accumulation_dtype(cdt), device=x.device) if need_x else None
         # Weight gradients are written expert by expert; only experts without rows need zeros.
         live_fc1, live_fc2 = (ref() for ref in ctx.weights)
         grad_fc1 = _weight_grad(ctx.workspace, "fc1", fc1 if live_fc1 is None else live_fc1, cdt) if need_w1 else None
@@ -222,6 +304,8 @@ class ExpertMLPFunction(torch.autograd.Function):
                 dx = gemm.nn(dh, fc1[e].to(cdt))[:n]
                 if row_index is None:
                     grad_x[rows] = dx
+                elif ctx.permutation:
+                    grad_x.index_copy_(0, row_index[rows], dx.to(grad_x.dtype))
                 else:
                     grad_x.index_add_(0, row_index[rows], dx.to(grad_x.dtype))
 
@@ -231,13 +315,14 @@ class ExpertMLPFunction(torch.autograd.Function):
         return (
             cast(grad_x, x), cast(grad_fc1, fc1), cast(grad_fc2, fc2),
             cast(grad_b, fc2_bias) if fc2_bias is not None else None, grad_p,
-            None, None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None, None,
         )
 
 
 def _weight_grad(workspace: ExpertGradWorkspace | None, name: str, param: Tensor, dtype: torch.dtype) -> Tensor:
-    # The workspace only pays off when the gradient keeps the parameter's dtype (no cast copy).
-    if workspace is None or dtype != param.dtype:
+    # The workspace only pays off when the gradient keeps the parameter's dtype (no cast copy), and
+    # only a leaf's gradient becomes param.grad.
+    if workspace is None or dtype != param.dtype or not (param.is_leaf and param.requires_grad):
         return torch.empty(param.shape, dtype=dtype, device=param.device)
     return workspace.gradient_for(name, param, dtype)
 
@@ -255,6 +340,7 @@ def expert_mlp(
     save_activation: bool = True,
     grad_workspace: ExpertGradWorkspace | None = None,
     compute_dtype: torch.dtype | None = None,
+    row_index_is_permutation: bool = False,
 ) -> Tensor:
     """Run every expert on its rows; probs multiply the activation output before fc2.
 
@@ -271,7 +357,11 @@ def expert_mlp(
             it from the saved fc1 output (saves ``N x F`` elements, Megatron's ``moe_act``
             recompute).
         grad_workspace: reuse weight-gradient memory across steps (see :class:`ExpertGradWorkspace`).
-        compute_dtype: dtype of the GEMMs; None chooses per device and autocast (``_compute_dtype``).
+        compute_dtype: dtype of the GEMMs; None chooses per device and autocast (:func:`expert_compute_dtype`).
+            ``fc1``/``fc2`` may already be in it (a cast copy); otherwise each expert's block is cast.
+        row_index_is_permutation: ``row_index`` holds every one of the ``num_out_rows`` rows of ``x``
+            exactly once (the all-to-all dispatcher's received rows): outputs and input gradients
+            are then scattered with ``index_copy`` (deterministic) instead of ``index_add``.
 
     Returns:
         ``[N, H]`` expert outputs in row order, or ``[num_out_rows, H]`` combined per token.
@@ -280,14 +370,17 @@ def expert_mlp(
         raise ValueError(f"counts has {len(counts)} entries for {fc1.shape[0]} experts.")
     if row_index is not None and num_out_rows is None:
         raise ValueError("row_index needs num_out_rows, the number of tokens to combine into.")
-    # The function chooses its compute dtype itself (autocast included, see _compute_dtype) and
+    permutation = bool(row_index_is_permutation) and row_index is not None
+    if permutation:
+        check_permutation_sizes(row_index, num_out_rows, x.shape[0])
+    # The function chooses its compute dtype itself (autocast included, see expert_compute_dtype) and
     # casts explicitly; autocast inside it would mix dtypes in its in-place accumulations.
-    cdt = compute_dtype or _compute_dtype(x.dtype, x.device)
+    cdt = compute_dtype or expert_compute_dtype(x.dtype, x.device)
     gemm = gemm_for(x.device, cdt, fc1.shape[2], fc1.shape[1])
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_disabled(x.device):
         return ExpertMLPFunction.apply(
             x, fc1, fc2, fc2_bias, probs, list(counts), row_index, num_out_rows, activation, save_activation,
-            grad_workspace, cdt, gemm,
+            grad_workspace, cdt, gemm, permutation,
         )
 
 

@@ -17,12 +17,24 @@ Two kernels compute the same function (probs multiply the activation output, bef
 * ``grouped_mm``: ``torch.nn.functional.grouped_mm`` under autograd, one call per GEMM for all
   experts; the choice on CUDA, where it is one kernel launch instead of one per expert.
 
-``kernel="auto"`` picks ``grouped_mm`` on CUDA when the installed torch has it and ``loop``
-otherwise (measured in ``benchmarks/moe_layer.py``).
+``kernel="auto"`` picks ``grouped_mm`` on CUDA where it has a fast path (bf16 compute on sm90 or
+newer; elsewhere torch runs it as a per-expert loop that copies the offsets to the host) and
+``loop`` otherwise (measured in ``benchmarks/moe_layer.py``).
+
+Both kernels compute in :func:`~lightning_moe.layers.expert_kernels.expert_compute_dtype`: under
+``bf16-mixed`` autocast the fp32 weights are cast to bf16 once per optimizer step
+(:class:`WeightCastCache`) and the rows once per call, since ``grouped_mm`` is in none of
+autocast's cast lists. Outputs keep the input's dtype; per-token sums accumulate in fp32.
+
+``tokens_per_expert`` is a host list or an int64 device tensor (the local dispatcher's dropless
+counts): ``grouped_mm`` builds its group offsets on the device, so that path reads nothing from
+the device; the loop kernel needs host counts and reads them itself.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,12 +42,101 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.layers.activations import activation_fn, is_gated
-from lightning_moe.layers.expert_kernels import ExpertGradWorkspace, expert_mlp, grouped_activation_fc2
+from lightning_moe.layers.expert_kernels import (
+    ExpertGradWorkspace,
+    accumulation_dtype,
+    autocast_disabled,
+    expert_compute_dtype,
+    expert_mlp,
+    grouped_activation_fc2,
+)
+from lightning_moe.layers.permute import check_permutation_sizes, gather_rows, scatter_rows
 
-__all__ = ["KERNELS", "GroupedExperts", "expert_generator"]
+__all__ = ["KERNELS", "GroupedExperts", "WeightCastCache", "expert_generator", "group_offsets", "host_counts"]
 
 KERNELS = ("auto", "loop", "grouped_mm")
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+GROUPED_MM_MIN_CAPABILITY = (9, 0)
+"""CUDA compute capability from which ``grouped_mm`` has a fast bf16 kernel (sm90, Hopper)."""
+_WEIGHTS = ("fc1_weight", "fc2_weight")
+
+
+def host_counts(tokens_per_expert: Sequence[int] | Tensor) -> list[int]:
+    """``tokens_per_expert`` as a host list; a device tensor is read (one device-to-host copy)."""
+    if isinstance(tokens_per_expert, Tensor):
+        return tokens_per_expert.tolist()
+    return [int(c) for c in tokens_per_expert]
+
+
+def group_offsets(tokens_per_expert: Sequence[int] | Tensor, device: torch.device) -> Tensor:
+    """int32 end offsets of the expert segments (``grouped_mm``'s ``offs``), on ``device``.
+
+    Built on the device without any host copy from a device tensor, or from a host list whose
+    counts are all equal (drop-and-pad); other host lists are copied to the device once.
+    """
+    if isinstance(tokens_per_expert, Tensor):
+        return tokens_per_expert.to(device).cumsum(0, dtype=torch.int32)
+    counts = [int(c) for c in tokens_per_expert]
+    if counts and all(c == counts[0] for c in counts):
+        return torch.arange(1, len(counts) + 1, device=device, dtype=torch.int32) * counts[0]
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
+
+
+class WeightCastCache:
+    """Copies of the expert weights in a narrower compute dtype, made once per parameter version.
+
+    Under ``bf16-mixed`` the fp32 weights are cast to bf16 for the GEMMs. autocast's own cache
+    lives for one autocast region (one micro-batch under Lightning); this one keys each copy by
+    the parameter's version counter, which in-place updates bump (the optimizer step, loading a
+    state dict, re-initialisation), so gradient accumulation over several micro-batches casts once
+    per step. The copy is differentiable: each use's gradient reaches the fp32 parameter through it.
+
+    Memory: at most one copy per weight is kept (half the fp32 weights' bytes for bf16). A stale
+    copy is replaced at the next forward (the old one is freed once no autograd graph holds it),
+    and a forward that needs no cast (fp32 compute) drops them all; :meth:`clear` drops them now,
+    e.g. before an optimizer step whose peak memory matters. Copies (deepcopy, pickling) start empty.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[weakref.ref, int, Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def peek(self, name: str) -> Tensor | None:
+        """The copy kept for ``name`` (None when there is none), without validating it."""
+        entry = self._entries.get(name)
+        return None if entry is None else entry[2]
+
+    def get(self, name: str, param: Tensor, dtype: torch.dtype) -> Tensor:
+        """``param.to(dtype)``, reused while ``param`` is the same unmodified tensor."""
+        needs_graph = torch.is_grad_enabled() and param.requires_grad
+        entry = self._entries.get(name)
+        if entry is not None:
+            owner, version, cast = entry
+            if (
+                owner() is param and version == param._version and cast.dtype == dtype
+                and cast.device == param.device and (cast.requires_grad or not needs_graph)
+            ):
+                return cast
+        # A copy made under no_grad is not differentiable: replaced by the next training forward.
+        cast = param.to(dtype)
+        self._entries[name] = (weakref.ref(param), param._version, cast)
+        return cast
+
+    def discard(self, name: str) -> None:
+        """Drop the copy of ``name``, if any."""
+        self._entries.pop(name, None)
+
+    def clear(self) -> None:
+        """Drop every copy."""
+        self._entries.clear()
 
 
 def expert_generator(layer_seed: int, global_expert: int) -> torch.Generator:
@@ -50,6 +151,19 @@ def expert_generator(layer_seed: int, global_expert: int) -> torch.Generator:
 
 class GroupedExperts(nn.Module):
     """The routed experts of one MoE layer (or this rank's share of them)."""
+
+    accepts_device_counts: bool = True
+    """``forward`` takes ``tokens_per_expert`` as a device tensor; otherwise the MoE layer reads it."""
+    accepts_permutation_flag: bool = True
+    """``forward`` takes ``row_index_is_permutation``; otherwise the MoE layer does not pass it."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # A subclass with its own forward keeps the older protocol unless it declares otherwise.
+        if "forward" in cls.__dict__:
+            for name in ("accepts_device_counts", "accepts_permutation_flag"):
+                if name not in cls.__dict__:
+                    setattr(cls, name, False)
 
     def __init__(
         self,
@@ -89,6 +203,8 @@ class GroupedExperts(nn.Module):
         self._param_tags: dict[str, dict[str, object]] = {}
         self.grad_workspace: ExpertGradWorkspace | None = ExpertGradWorkspace()
         """Reuse the weight-gradient memory across steps (loop kernel); None allocates fresh each time."""
+        self.weight_casts: WeightCastCache | None = WeightCastCache()
+        """Narrower-dtype copies of the weights for autocast, once per step; None casts on every call."""
         fc1_rows = 2 * ffn_hidden_size if is_gated(activation) else ffn_hidden_size
         factory = {"device": device, "dtype": dtype}
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, fc1_rows, hidden_size, **factory))
@@ -105,6 +221,9 @@ class GroupedExperts(nn.Module):
         setattr(getattr(self, name), attribute, value)
 
     def _apply(self, fn, recurse=True):
+        # Conversions may swap parameter data without bumping its version: the copies are stale.
+        if getattr(self, "weight_casts", None) is not None:
+            self.weight_casts.clear()
         super()._apply(fn, recurse)
         for name, tags in self._param_tags.items():
             for attribute, value in tags.items():
@@ -129,8 +248,11 @@ class GroupedExperts(nn.Module):
         gated = is_gated(self.activation)
         for local in range(self.num_experts):
             gen = expert_generator(layer_seed, self.expert_offset + local)
-            fc1 = torch.empty(self.fc1_weight.shape[1] * size, self.hidden_size).normal_(0, std, generator=gen)
-            fc2 = torch.empty(self.hidden_size, full_f).normal_(0, std, generator=gen)
+            # On the CPU, like the generator, whatever default device is active (Lightning builds
+            # models under the accelerator's device context).
+            fc1 = torch.empty(self.fc1_weight.shape[1] * size, self.hidden_size, device="cpu")
+            fc1.normal_(0, std, generator=gen)
+            fc2 = torch.empty(self.hidden_size, full_f, device="cpu").normal_(0, std, generator=gen)
             block = slice(rank * self.ffn_hidden_size, (rank + 1) * self.ffn_hidden_size)
             if gated:
                 gate, up = fc1.chunk(2)
@@ -150,82 +272,122 @@ class GroupedExperts(nn.Module):
     def resolved_kernel(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
         """The kernel ``auto`` stands for on ``device`` for inputs of ``dtype`` (default: the weights').
 
-        CUDA's grouped GEMM takes bf16 (autocast included); everything else runs the loop kernel.
+        ``grouped_mm`` where it has a fast kernel: CUDA, bf16 compute (autocast included) and
+        compute capability :data:`GROUPED_MM_MIN_CAPABILITY` or newer. Elsewhere torch runs it
+        as a per-expert loop that copies the offsets to the host; the loop kernel is used instead.
         """
         if self.kernel != "auto":
             return self.kernel
         if device.type != "cuda" or not _HAS_GROUPED_MM:
             return "loop"
-        dtype = dtype or self.fc1_weight.dtype
-        if torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")
-        return "grouped_mm" if dtype == torch.bfloat16 else "loop"
+        if expert_compute_dtype(dtype or self.fc1_weight.dtype, device) != torch.bfloat16:
+            return "loop"
+        fast = tuple(torch.cuda.get_device_capability(device)) >= GROUPED_MM_MIN_CAPABILITY
+        return "grouped_mm" if fast else "loop"
+
+    def _compute_weights(self, dtype: torch.dtype, whole: bool) -> tuple[Tensor, Tensor]:
+        """fc1 and fc2 for GEMMs in ``dtype``: the parameters, or (narrower dtype) their cached copies.
+
+        ``whole``: the kernel needs whole tensors of ``dtype`` (``grouped_mm``); the loop kernel
+        casts a wider dtype expert by expert itself, which keeps no full-size copy.
+        """
+        cache, weights, cached = self.weight_casts, [], False
+        for name in _WEIGHTS:
+            param = getattr(self, name)
+            if param.dtype == dtype:
+                weights.append(param)
+            elif cache is not None and torch.finfo(dtype).bits < torch.finfo(param.dtype).bits:
+                weights.append(cache.get(name, param, dtype))
+                cached = True
+            else:
+                weights.append(param.to(dtype) if whole else param)
+        if cache is not None and not cached:
+            cache.clear()  # nothing needs the copies now: do not hold their memory
+        return weights[0], weights[1]
 
     def forward(
         self,
         tokens: Tensor,
-        tokens_per_expert: list[int],
+        tokens_per_expert: Sequence[int] | Tensor,
         probs: Tensor,
         row_index: Tensor | None = None,
         num_out_rows: int | None = None,
+        row_index_is_permutation: bool = False,
     ) -> Tensor:
         """Apply each expert to its rows.
 
         Args:
             tokens: ``[N, H]`` rows in expert-major order, or with ``row_index`` the ``[T, H]``
                 tokens the rows are gathered from.
-            tokens_per_expert: host list of rows per expert (sums to N).
+            tokens_per_expert: rows per expert (sums to N): a host list, or an int64 ``[E]`` device
+                tensor (read to the host only by the loop kernel).
             probs: ``[N]`` routing probability of each row.
             row_index: optional ``[N]`` token index of each row: the rows are gathered from
                 ``tokens`` and the outputs summed back per token (a fused permute/unpermute).
             num_out_rows: number of tokens T to sum into (with ``row_index``).
+            row_index_is_permutation: ``row_index`` holds each of the ``T = N`` rows exactly once
+                (the all-to-all dispatcher's received rows): scattered with ``index_copy``
+                (deterministic) instead of ``index_add``.
 
         Returns:
-            ``[N, H]`` (or ``[T, H]`` with ``row_index``).
+            ``[N, H]`` (or ``[T, H]`` with ``row_index``), in ``tokens``' dtype.
         """
-        kernel = self.resolved_kernel(tokens.device, tokens.dtype)
+        device = tokens.device
+        cdt = expert_compute_dtype(tokens.dtype, device)
+        kernel = self.resolved_kernel(device, tokens.dtype)
+        permutation = bool(row_index_is_permutation) and row_index is not None
+        if permutation:
+            check_permutation_sizes(row_index, num_out_rows, tokens.shape[0])
+        fc1, fc2 = self._compute_weights(cdt, whole=kernel != "loop")
         tag = self.saved_tensor_tagger
         if tag is not None:
             tag("expert_fc1", (tokens,))
             tag(None, (probs,) if row_index is None else (probs, row_index))
+            # Cast copies of the weights are parameters in all but name: never offloaded.
+            tag(None, tuple(w for w, name in zip((fc1, fc2), _WEIGHTS) if w is not getattr(self, name)))
         if kernel == "loop":
             return expert_mlp(
-                tokens, self.fc1_weight, self.fc2_weight, probs, tokens_per_expert,
+                tokens, fc1, fc2, probs, host_counts(tokens_per_expert),
                 activation=self.activation, fc2_bias=self.fc2_bias, row_index=row_index,
-                num_out_rows=num_out_rows, save_activation=not self._recomputes(tokens.device),
-                grad_workspace=self.grad_workspace,
+                num_out_rows=num_out_rows, save_activation=not self._recomputes(device),
+                grad_workspace=self.grad_workspace, compute_dtype=cdt, row_index_is_permutation=permutation,
             )
-        rows = tokens if row_index is None else tokens.index_select(0, row_index)
-        if tag is not None:
-            tag("expert_fc1", (rows,))
-        out = self._grouped_mm(rows, tokens_per_expert, probs)
-        if row_index is None:
-            return out
-        return out.new_zeros(num_out_rows, out.shape[1]).index_add(0, row_index, out)
+        # Explicit dtypes throughout: autocast would recast some of the ops below, not grouped_mm.
+        with autocast_disabled(device):
+            # Gathered in the input's dtype, so the input gradient is summed per token in it.
+            rows = tokens if row_index is None else gather_rows(tokens, row_index, permutation)
+            rows = rows.to(cdt)
+            if tag is not None:
+                tag("expert_fc1", (rows,))
+            out = self._grouped_mm(rows, tokens_per_expert, probs, fc1, fc2)
+            if row_index is None:
+                return out.to(tokens.dtype)
+            out = scatter_rows(out, row_index, num_out_rows, permutation, dtype=accumulation_dtype(cdt))
+            return out.to(tokens.dtype)
 
-    def _grouped_mm(self, rows: Tensor, tokens_per_expert: list[int], probs: Tensor) -> Tensor:
+    def _grouped_mm(
+        self, rows: Tensor, tokens_per_expert: Sequence[int] | Tensor, probs: Tensor, fc1: Tensor, fc2: Tensor
+    ) -> Tensor:
         if not _HAS_GROUPED_MM:
             raise RuntimeError(
                 "kernel='grouped_mm' needs torch.nn.functional.grouped_mm (torch >= 2.9); "
                 "use kernel='loop'."
             )
-        offsets = torch.tensor(tokens_per_expert, device=rows.device).cumsum(0).to(torch.int32)
+        offsets = group_offsets(tokens_per_expert, rows.device)
         tag = self.saved_tensor_tagger
         if tag is not None:
             tag(None, (offsets,))
         p = probs.unsqueeze(-1)
-        h = F.grouped_mm(rows, self.fc1_weight.transpose(-2, -1), offs=offsets)
+        h = F.grouped_mm(rows, fc1.transpose(-2, -1), offs=offsets)
         if self._recomputes(rows.device):
-            out = grouped_activation_fc2(h, probs, self.fc2_weight, offsets, self.activation)
+            out = grouped_activation_fc2(h, probs, fc2, offsets, self.activation)
         else:
             z = (activation_fn(self.activation)(h) * p).to(rows.dtype)
-            out = F.grouped_mm(z, self.fc2_weight.transpose(-2, -1), offs=offsets)
+            out = F.grouped_mm(z, fc2.transpose(-2, -1), offs=offsets)
         if self.fc2_bias is not None:
-            expert_of_row = torch.repeat_interleave(
-                torch.arange(self.num_experts, device=rows.device),
-                torch.tensor(tokens_per_expert, device=rows.device),
-                output_size=rows.shape[0],
-            )
+            # The expert of every row from the device offsets (no host counts needed).
+            positions = torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype)
+            expert_of_row = torch.searchsorted(offsets, positions, right=True)
             if tag is not None:
                 tag(None, (expert_of_row,))
             out = out + (p * self.fc2_bias[expert_of_row]).to(out.dtype)

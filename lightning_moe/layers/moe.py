@@ -116,9 +116,17 @@ class MoELayer(nn.Module):
             routing_map = pad_routing_map(routing_map, self.config.router_padding_alignment)
         rows, tokens_per_expert, row_probs, metadata = self.dispatcher.dispatch(tokens, probs, routing_map)
         row_index = metadata.row_index
+        # Expert modules that predate the sync-free protocol (lightning_moe.layers.dispatch) get host
+        # counts and no permutation flag; GroupedExperts declares both.
+        if isinstance(tokens_per_expert, Tensor) and not getattr(self.experts, "accepts_device_counts", False):
+            tokens_per_expert = tokens_per_expert.tolist()
+        flags = {}
+        permutation = row_index is not None and getattr(metadata, "row_index_is_permutation", False)
+        if permutation and getattr(self.experts, "accepts_permutation_flag", False):
+            flags["row_index_is_permutation"] = True
         expert_out = self.experts(
             rows, tokens_per_expert, row_probs, row_index=row_index,
-            num_out_rows=None if row_index is None else rows.shape[0],
+            num_out_rows=None if row_index is None else rows.shape[0], **flags,
         )
         out = self.dispatcher.combine(expert_out, metadata)
         if shared_out is not None:

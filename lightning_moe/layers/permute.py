@@ -7,6 +7,9 @@ ascending within an expert**, exactly as ``megatron.core.transformer.moe.moe_uti
 
 ``pad_routing_map`` is the router padding for quantised grouped GEMMs (reference section 2.4,
 ``moe_utils.pad_routing_map``) and ``tokens_per_expert`` the per-expert row counts.
+``gather_rows``/``scatter_rows`` move rows through a row index for the expert kernels; when the
+index is a pure permutation (each row exactly once) both directions use ``index_copy``, which is
+deterministic on every device (CUDA's ``index_add`` accumulates with atomics).
 
 Everything here is a pure function of tensors: differentiable w.r.t. tokens and probs, no Python
 loop over experts or tokens, and no device-to-host synchronisation except where documented
@@ -18,7 +21,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["expert_order", "pad_routing_map", "permute", "tokens_per_expert", "unpermute"]
+__all__ = [
+    "check_permutation_sizes", "expert_order", "gather_rows", "pad_routing_map", "permute", "scatter_rows",
+    "tokens_per_expert", "unpermute",
+]
 
 
 def _check_routing_map(routing_map: Tensor) -> None:
@@ -216,3 +222,59 @@ def pad_routing_map(routing_map: Tensor, alignment: int) -> Tensor:
     unrouted_rank = torch.cumsum(unrouted, dim=0, dtype=torch.int64)
     fillers = unrouted & (unrouted_rank <= fillers_needed.unsqueeze(0))
     return routing_map | fillers
+
+
+def check_permutation_sizes(row_index: Tensor, num_out_rows: int, num_rows: int) -> None:
+    """Refuse a row index declared a permutation whose sizes cannot be one (a host shape check).
+
+    A permutation of ``num_out_rows`` rows has that many entries and gathers from that many rows;
+    its scatters write every row exactly once, so outputs are not zero-filled first.
+    """
+    if row_index.shape[0] != num_out_rows or num_rows != num_out_rows:
+        raise ValueError(
+            f"row_index_is_permutation=True needs one row per output row: row_index has {row_index.shape[0]} "
+            f"entries, the rows gathered from {num_rows}, num_out_rows={num_out_rows}. Pass "
+            "row_index_is_permutation=False for a row index that repeats or skips rows."
+        )
+
+
+class _PermutationGather(torch.autograd.Function):
+    """``src.index_select(0, index)`` for a permutation ``index``: backward is an ``index_copy``."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        # Every source row receives exactly one row's gradient: no zero fill, no accumulation.
+        return grad.new_empty(grad.shape).index_copy_(0, index, grad), None
+
+
+def gather_rows(src: Tensor, index: Tensor, is_permutation: bool = False) -> Tensor:
+    """``src[index]`` (rows), differentiable w.r.t. ``src``.
+
+    Its backward scatter-adds the row gradients back (``index_add``), or with ``is_permutation``
+    (``index`` holds each of the ``src.shape[0]`` rows exactly once) copies them (``index_copy``).
+    """
+    if not is_permutation:
+        return src.index_select(0, index)
+    check_permutation_sizes(index, src.shape[0], src.shape[0])
+    return _PermutationGather.apply(src, index)
+
+
+def scatter_rows(
+    rows: Tensor, index: Tensor, num_out_rows: int, is_permutation: bool = False, dtype: torch.dtype | None = None
+) -> Tensor:
+    """``out[index[i]] += rows[i]`` into ``num_out_rows`` zero rows, summed in ``dtype`` (default: the rows').
+
+    With ``is_permutation`` (each output row exactly once) the rows are copied (``index_copy``);
+    the backward of both is a gather.
+    """
+    rows = rows if dtype is None else rows.to(dtype)
+    if is_permutation:
+        check_permutation_sizes(index, num_out_rows, rows.shape[0])
+        return rows.new_empty(num_out_rows, rows.shape[1]).index_copy(0, index, rows)
+    return rows.new_zeros(num_out_rows, rows.shape[1]).index_add(0, index, rows)

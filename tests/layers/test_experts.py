@@ -385,23 +385,41 @@ def test_without_workspace_gradients_are_fresh_tensors():
     torch.testing.assert_close(_fresh_grads(layer, x), _fresh_grads(with_ws, x))
 
 
+def _bf16_units(monkeypatch, present: bool) -> None:
+    """Pretend this CPU has (or lacks) bf16 units: the expert kernels' CPU half-precision policy."""
+    from lightning_moe.layers import expert_kernels
+
+    monkeypatch.setattr(expert_kernels, "cpu_has_bf16_units", lambda: present)
+
+
+
 @pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
-def test_moe_layer_under_cpu_autocast_matches_fp32(kernel):
-    """``precision="bf16-mixed"`` runs the layer under autocast: the loop kernel computes in fp32
-    on CPU (its own dtype policy) and must not mix dtypes in its accumulations."""
+@pytest.mark.parametrize("bf16_units", [True, False], ids=["bf16-units", "no-bf16-units"])
+def test_moe_layer_under_cpu_autocast_matches_fp32(bf16_units, kernel, monkeypatch):
+    """``precision="bf16-mixed"`` runs the layer under autocast. The router computes in fp32 (its
+    logits choose the experts), both expert kernels in the CPU policy's compute dtype: bf16 where the
+    CPU has bf16 units (bf16 tolerance), fp32 otherwise, where the layer then computes its fp32
+    function (fp32 rounding). Outputs keep the input's dtype; no accumulation mixes dtypes."""
+    _bf16_units(monkeypatch, bf16_units)
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2), expert_kernel=kernel)
     x = torch.randn(2, 8, 16, requires_grad=True)
     want = layer(x)
     want.sum().backward()
     want_grad = x.grad.clone()
+    want_param_grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
     x.grad = None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = layer(x)
-    got.float().sum().backward()
-    # bf16 autocast of the router/shared parts only (experts in fp32 on CPU): bf16 tolerance.
-    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3)
-    torch.testing.assert_close(x.grad, want_grad, rtol=2e-2, atol=2e-3)
+    assert got.dtype == torch.float32
+    got.sum().backward()
+    tol = BF16_KERNEL_TOL if bf16_units else FP32_GRAD_TOL
+    assert_close_to_scale(got, want, tol, "output")
+    assert_close_to_scale(x.grad, want_grad, tol, "input gradient")
+    for name, param in layer.named_parameters():
+        assert param.grad.dtype == torch.float32, name
+        assert_close_to_scale(param.grad, want_param_grads[name], tol, f"gradient of {name}")
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["rows", "row-index"])
@@ -430,9 +448,9 @@ def test_cpu_half_precision_policy_follows_the_cpu(monkeypatch):
     cpu = torch.device("cpu")
     for has_units, expected in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(expert_kernels, "cpu_has_bf16_units", lambda has_units=has_units: has_units)
-        assert expert_kernels._compute_dtype(torch.bfloat16, cpu) == expected
-        assert expert_kernels._compute_dtype(torch.float16, cpu) == torch.float32
-        assert expert_kernels._compute_dtype(torch.float32, cpu) == torch.float32
+        assert expert_kernels.expert_compute_dtype(torch.bfloat16, cpu) == expected
+        assert expert_kernels.expert_compute_dtype(torch.float16, cpu) == torch.float32
+        assert expert_kernels.expert_compute_dtype(torch.float32, cpu) == torch.float32
 
 
 @pytest.mark.parametrize("activation", ACTIVATION_NAMES)

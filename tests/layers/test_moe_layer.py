@@ -9,6 +9,7 @@ router gradients and are tested in ``test_router.py``/``test_losses.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -19,6 +20,7 @@ from layers.moe_reference import dense_ffn, reference_moe, reference_routing
 
 from lightning_moe.layers.activations import ACTIVATIONS
 from lightning_moe.layers.config import MoEConfig
+from lightning_moe.layers.dispatch import LocalDispatcher
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.layers.moe import MoELayer
 
@@ -592,3 +594,86 @@ def test_pad_to_capacity_at_the_largest_accepted_factor(kernel):
     config = _config(num_experts=5, top_k=3, capacity_factor=5 / 3, pad_to_capacity=True)
     assert math.ceil(7 * 3 / 5 * (5 / 3)) == 8  # float rounding: 7 tokens, capacity 8
     _check_against_reference(_build(config, kernel), _randn((7, HIDDEN), seed=16))
+
+
+# ------------------------------------------------------------------------------------------------
+# One layer used twice in one backward; the dispatcher's permutation flag.
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_layer_used_twice_in_one_backward_matches_reference(kernel):
+    """Two forwards of the same layer (DPO chosen/rejected, siamese losses), one backward of the sum:
+    every parameter gets the sum of both uses' gradients."""
+    layer = _build(_config(fc2_bias=True, shared_expert_ffn_hidden_size=SHARED_FFN), kernel)
+    inputs = [_randn((BATCH, SEQ, HIDDEN), seed=s) for s in (20, 21)]
+    grads_out = [_randn((BATCH, SEQ, HIDDEN), seed=s) for s in (22, 23)]
+    params = {name: p.detach().clone().requires_grad_(True) for name, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    sum((layer(x) * g).sum() for x, g in zip(inputs, grads_out)).backward()
+    reference = sum(
+        (reference_moe(params, layer.config, x, layer.router.expert_bias) * g).sum() for x, g in zip(inputs, grads_out)
+    )
+    reference.backward()
+    for name, param in layer.named_parameters():
+        assert_close_to_scale(param.grad, params[name].grad, FP32_GRAD_TOL, f"gradient of {name}")
+
+
+class _PermutationDispatcher(LocalDispatcher):
+    """The local dispatcher, declaring its row index a permutation (true for top-1 dropless routing)."""
+
+    def dispatch(self, hidden, probs, routing_map):
+        rows, counts, row_probs, metadata = super().dispatch(hidden, probs, routing_map)
+        return rows, counts, row_probs, _PermutationMetadata(metadata.row_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PermutationMetadata:
+    row_index: torch.Tensor
+    row_index_is_permutation: bool = True
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_moe_layer_passes_the_dispatchers_permutation_flag_to_the_experts(kernel):
+    config = _config(top_k=1, pre_softmax=True)
+    plain, flagged = _build(config, kernel), _build(config, kernel)
+    flagged.dispatcher = _PermutationDispatcher(config)
+    seen = []
+    forward = flagged.experts.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("row_index_is_permutation"))
+        return forward(*args, **kwargs)
+
+    flagged.experts.forward = spy
+    x = _randn((BATCH, SEQ, HIDDEN), seed=24)
+    grad_out = _randn(x.shape, seed=25)
+    out, x_grad, grads = _run_layer(flagged, x, grad_out)
+    want_out, want_x_grad, want_grads = _run_layer(plain, x, grad_out)
+    assert seen == [True]
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(x_grad, want_x_grad, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=0, msg=name)
+
+
+class _HostCountExperts(GroupedExperts):
+    """An expert module with its own forward of the older protocol (host counts, no permutation flag)."""
+
+    def forward(self, tokens, tokens_per_expert, probs, row_index=None, num_out_rows=None):
+        assert isinstance(tokens_per_expert, list), type(tokens_per_expert)
+        return super().forward(tokens, tokens_per_expert, probs, row_index=row_index, num_out_rows=num_out_rows)
+
+
+def test_expert_subclasses_with_their_own_forward_get_host_counts_and_no_permutation_flag():
+    """e.g. ``Float8GroupedExperts``: the layer reads the dispatcher's device counts for them."""
+    config = _config(top_k=1, pre_softmax=True)
+    plain, legacy = _build(config), _build(config)
+    legacy.experts.__class__ = _HostCountExperts
+    legacy.dispatcher = _PermutationDispatcher(config)
+    assert not _HostCountExperts.accepts_device_counts and not _HostCountExperts.accepts_permutation_flag
+    x = _randn((BATCH, SEQ, HIDDEN), seed=26)
+    grad_out = _randn(x.shape, seed=27)
+    out, x_grad, _ = _run_layer(legacy, x, grad_out)
+    want_out, want_x_grad, _ = _run_layer(plain, x, grad_out)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(x_grad, want_x_grad, rtol=0, atol=0)
