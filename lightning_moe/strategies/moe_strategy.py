@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -346,8 +346,13 @@ class MoEStrategy(ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``Trainer.init_module(empty_init=True)`` builds on the meta device; materialised in setup."""
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+        """Modules built here (``configure_model``, ``Trainer.init_module()``) go straight to this rank's device.
+
+        With ``empty_init=True`` they are built on the meta device instead and materialised in setup,
+        after sharding, so no rank ever holds the full model.
+        """
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
             yield
 
     # -- steps ----------------------------------------------------------------------------------

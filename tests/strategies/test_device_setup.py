@@ -102,3 +102,26 @@ def test_one_gpu_fit_over_nccl_with_bf16_mixed(tmp_path):
     assert all(p.device.type == "cuda" for p in module.parameters())
     assert len(module.losses) == 4 and all(torch.isfinite(torch.tensor(module.losses)))
     assert probs_dtypes and set(probs_dtypes) == {torch.float32}  # the router stays out of autocast
+
+
+def test_initialisation_ignores_the_default_device_context():
+    """Lightning builds ``configure_model`` modules under the accelerator's device context; weight
+    draws use CPU generators and must stay on the CPU there (CPU proxy: a meta default device)."""
+    model = _transformer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for tensor in model.parameters():
+        tensor.data.zero_()
+    with torch.device(ACCELERATOR):
+        model.reset_parameters()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, msg=key)
+
+
+def test_strategy_builds_modules_on_its_device():
+    from lightning_moe.strategies import MoEStrategy
+
+    strategy = MoEStrategy(parallel_devices=[torch.device("cpu")])
+    with strategy.tensor_init_context():
+        assert torch.empty(1).device == torch.device("cpu")
+    with strategy.tensor_init_context(empty_init=True):
+        assert torch.empty(1).device == ACCELERATOR
