@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from lightning_moe import MoEConfig, MoELayer
 from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture
+from lightning_moe.callbacks.loss_scaling import MoELossScaling
 from lightning_moe.graphs import CUDAGraphManager, find_targets, static_routed_rows, validate_scopes
 from lightning_moe.layers.router import RouterReduction
 from lightning_moe.memory import apply_selective_recompute
@@ -362,8 +363,10 @@ def test_recording_and_release_contract():
 def _fit(model, callbacks, steps=5, accumulate=1):
     data = torch.cat([b[0] for b in batches(steps * accumulate, 1, 2, 8)])
     module = LossRecordingLM(model)
+    # MoELossScaling: the aux-loss gradients follow the accumulation (as any user's run should).
     trainer = L.Trainer(
-        **quiet_trainer_kwargs(max_steps=steps, accumulate_grad_batches=accumulate), callbacks=callbacks
+        **quiet_trainer_kwargs(max_steps=steps, accumulate_grad_batches=accumulate),
+        callbacks=[*callbacks, MoELossScaling()],
     )
     trainer.fit(module, DataLoader(data, batch_size=2))
     return module
