@@ -123,8 +123,9 @@ class TopKRouter(nn.Module):
     (which the expert-bias update consumes) so a monitor never disturbs training.
 
     Attributes set by the strategy: ``reduction`` (a :class:`RouterReduction`) and
-    ``aux_loss_scale`` (float or 0-dim tensor, the gradient scale of the attached losses, e.g.
-    ``CP / num_microbatches`` as in ref. 2.5.4).
+    ``aux_loss_scale`` (float or 0-dim tensor read when backward runs, the gradient scale of the
+    attached losses: GradScaler scale x ``CP / accumulation``, see
+    :mod:`lightning_moe.layers.loss_scale`; None until something sets it, then 1.0 with a warning).
     """
 
     _FP32_BUFFERS = ("expert_bias", "logged_loss_sums", "metric_entropy_sum")
