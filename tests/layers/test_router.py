@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
+from helpers.recorders import GemmDtypes
 from layers.reference_values import REFERENCE_LOGITS
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe.layers.config import MoEConfig
@@ -353,23 +353,6 @@ def test_probs_are_in_the_router_dtype(router_dtype, input_dtype, probs_dtype):
     assert probs.dtype == probs_dtype
 
 
-class _GemmDtypes(TorchDispatchMode):
-    """Records ``(operand dtypes, result dtype)`` of every matrix product, as dispatched after autocast."""
-
-    _GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[tuple[torch.dtype, ...], torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in self._GEMMS:
-            operands = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-            self.calls.append((operands, out.dtype))
-        return out
-
-
 AUTOCAST_DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
 ROUTER_DTYPES = [
     pytest.param("fp32", torch.float32, id="fp32"),
@@ -400,7 +383,7 @@ def test_router_under_cpu_autocast_routes_in_the_router_dtype(
     logits = hidden.to(expected_dtype) @ reference.weight.detach().to(expected_dtype).T
     want_probs, want_map = topk_routing(logits, 4, score_func=score_func)
     reference(hidden)
-    with torch.autocast("cpu", dtype=autocast_dtype), _GemmDtypes() as gemms:
+    with torch.autocast("cpu", dtype=autocast_dtype), GemmDtypes() as gemms:
         probs, routing_map = under_autocast(hidden)
     assert gemms.calls == [((expected_dtype, expected_dtype), expected_dtype)]
     assert probs.dtype == expected_dtype
@@ -448,7 +431,7 @@ def test_router_dtype_none_follows_the_input_not_autocast(input_dtype, autocast_
     reference = _wide_router(router_dtype=None)
     hidden = torch.randn(256, 32, generator=torch.Generator().manual_seed(3)).to(input_dtype)
     want_probs, want_map = reference(hidden)
-    with torch.autocast("cpu", dtype=autocast_dtype), _GemmDtypes() as gemms:
+    with torch.autocast("cpu", dtype=autocast_dtype), GemmDtypes() as gemms:
         probs, routing_map = reference(hidden)
     assert gemms.calls == [((input_dtype, input_dtype), input_dtype)]
     assert probs.dtype == input_dtype

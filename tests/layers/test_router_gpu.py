@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers.recorders import GemmDtypes
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.moe import MoELayer
@@ -33,23 +33,6 @@ ALL_LOSSES = {
 NUM_TOKENS, HIDDEN, EXPERTS, TOP_K = 1024, 256, 64, 8
 
 
-class _GemmDtypes(TorchDispatchMode):
-    """Records ``(operand dtypes, result dtype)`` of every matrix product, as dispatched after autocast."""
-
-    _GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[tuple[torch.dtype, ...], torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in self._GEMMS:
-            operands = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
-            self.calls.append((operands, out.dtype))
-        return out
-
-
 def _router(**overrides) -> TopKRouter:
     """A DeepSeek-like gate (E=64, K=8) on the GPU: many near-ties, so bf16 logits flip top-k."""
     settings = {
@@ -67,7 +50,7 @@ def _hidden(dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def _route_with_loss_grads(router: TopKRouter, hidden: torch.Tensor, autocast: bool):
     x = hidden.clone().requires_grad_()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), _GemmDtypes() as gemms:
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), GemmDtypes() as gemms:
         probs, routing_map = router(x, num_sequences=4)
     (probs * 0.0).sum().backward()  # only the attached losses reach the gradients
     return probs.detach(), routing_map, gemms.calls, router.logged_losses(), router.weight.grad, x.grad

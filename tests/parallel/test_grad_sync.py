@@ -54,6 +54,15 @@ def _assert_grads_equal_reference(model: nn.Module, reference: nn.Module, where:
         assert_close_to_scale(got, want, GRAD_RTOL, f"{where}: {name}")
 
 
+def _assert_grads_equal(model, want: dict, step: int) -> None:
+    """Every gradient equals the oracle's; None where no rank produced one."""
+    for name, param in model.named_parameters():
+        if want[name] is None:
+            assert param.grad is None, f"step {step}: {name} got a gradient no rank produced"
+        else:
+            assert_close_to_scale(param.grad, want[name], GRAD_RTOL, f"step {step}: {name}")
+
+
 def _assert_grads_live_in_buckets(sync: GradSync, where: str) -> dict[int, int]:
     """Every gradient is a view into its bucket's buffer; returns id(param) -> local data_ptr."""
     pointers = {}
@@ -176,11 +185,7 @@ def _unused_and_mixed_dtypes(rank: int, world: int) -> dict:
         want = _oracle(model, world, step)
         model.loss(_inputs(rank, step), rank).backward()
         sync.finish()
-        for name, param in model.named_parameters():
-            if want[name] is None:
-                assert param.grad is None, f"step {step}: {name} got a gradient no rank produced"
-            else:
-                assert_close_to_scale(param.grad, want[name], GRAD_RTOL, f"step {step}: {name}")
+        _assert_grads_equal(model, want, step)
         _assert_grads_live_in_buckets(sync, f"step {step}")
         optimizer.step()
     return {
@@ -287,11 +292,7 @@ def _backward_outside_the_step(rank: int, world: int, set_to_none: bool) -> None
             sync.finish()
             assert len(launched) == len(sync.buckets), f"step {step}: {len(launched)} all-reduces"
             launched.clear()
-            for name, param in model.named_parameters():
-                if want[name] is None:
-                    assert param.grad is None, f"step {step}: {name}"
-                else:
-                    assert_close_to_scale(param.grad, want[name], GRAD_RTOL, f"step {step}: {name}")
+            _assert_grads_equal(model, want, step)
     finally:
         dist.all_reduce = all_reduce
 
