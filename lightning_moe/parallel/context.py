@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import MappingProxyType
 
 import torch
@@ -111,12 +112,17 @@ class ParallelContext:
         return f"ParallelContext(rank {self.global_rank} of {self.dims.describe()})"
 
 
-def build_parallel_context(dims: ParallelDims, device_type: str) -> ParallelContext:
+def build_parallel_context(
+    dims: ParallelDims, device_type: str, timeout: timedelta | None = None
+) -> ParallelContext:
     """Create every process group and both device meshes of ``dims`` on the default process group.
 
     Must be called by every rank of the default group, with equal ``dims`` (it is a sequence of
-    collective ``new_group`` calls). Raises `RuntimeError` if ``torch.distributed`` is not
-    initialised and `ValueError` if its world size differs from ``dims.world_size``.
+    collective ``new_group`` calls). ``timeout`` bounds every collective on these groups (None:
+    torch's default, 10 minutes on NCCL and 30 on gloo; pass the job's, as the Lightning strategy
+    does, so that a rank that stops answering fails the job in time). Raises `RuntimeError` if
+    ``torch.distributed`` is not initialised and `ValueError` if its world size differs from
+    ``dims.world_size``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -142,7 +148,7 @@ def build_parallel_context(dims: ParallelDims, device_type: str) -> ParallelCont
         for group_ranks in dims.groups(name):
             key = (critical, tuple(group_ranks))
             if key not in created:
-                created[key] = dist.new_group(list(key[1]), group_desc=f"lightning_moe_{name}")
+                created[key] = dist.new_group(list(key[1]), timeout=timeout, group_desc=f"lightning_moe_{name}")
             if rank in key[1]:
                 groups[name], members[name] = created[key], key[1]
 

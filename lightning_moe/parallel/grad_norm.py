@@ -34,10 +34,21 @@ def _norm_group(param: Tensor) -> str | None:
     return None
 
 
+def _device_of(params: list[Tensor], ctx: ParallelContext) -> torch.device:
+    # A rank without gradients still joins the reductions, with zeros on the groups' device (an
+    # NCCL group refuses CPU tensors).
+    if params:
+        return params[0].device
+    if ctx.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(ctx.device_type)
+
+
 def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext, norm_type: float = 2.0) -> Tensor:
     """The norm of the full gradient of the whole (unsharded) model, identical on every rank."""
     if norm_type != 2.0:
         raise ValueError(f"Only the 2-norm is supported across shards, got norm_type={norm_type}.")
+    params = list(params)
     sums: dict[str | None, Tensor] = {}
     for p in params:
         if p.grad is None:
@@ -46,7 +57,7 @@ def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext, norm_type: 
         key = _norm_group(p)
         sq = grad.detach().float().pow(2).sum()
         sums[key] = sums[key] + sq if key in sums else sq
-    device = next(iter(sums.values())).device if sums else torch.device("cpu")
+    device = next(iter(sums.values())).device if sums else _device_of(params, ctx)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for name in (None, "tp", "etp_ep"):
         value = sums.get(name, torch.zeros((), dtype=torch.float32, device=device))

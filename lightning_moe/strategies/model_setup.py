@@ -24,7 +24,10 @@ from lightning_moe.parallel.parallelize import parallelize
 
 __all__ = [
     "broadcast_initial_state", "check_tensor_parallel_support", "materialize", "move_materialized", "prepare_model",
+    "prepare_model_once",
 ]
+
+_LAYOUT_ATTR = "_lightning_moe_layout"
 
 
 def check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
@@ -92,6 +95,34 @@ def prepare_model(
     broadcast_initial_state(model)
     parallelize(model, ctx, dispatcher=dispatcher)
     return agree_on_cpu_gemm(model) if device.type == "cpu" else {}
+
+
+def prepare_model_once(
+    model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str
+) -> dict[tuple[int, int], str]:
+    """:func:`prepare_model` unless ``model`` already holds this layout (a second ``fit``).
+
+    A model parallelized with another layout cannot be re-sharded in place: ``ValueError``.
+    Returns the CPU GEMM choices of :func:`prepare_model` (empty when nothing was done).
+    """
+    check_tensor_parallel_support(model, ctx.size("tp"))
+    layout = (ctx.dims, dispatcher)
+    applied = getattr(model, _LAYOUT_ATTR, None)
+    if applied == layout:
+        return {}
+    if applied is not None:
+
+        def sizes(dims, name: str) -> str:
+            return f"TP={dims.tp}, CP={dims.cp}, EP={dims.ep}, ETP={dims.etp}, dispatcher={name}"
+
+        raise ValueError(
+            f"This LightningModule was already parallelized with {sizes(*applied)} and cannot be "
+            f"re-sharded in place to {sizes(*layout)}. Save a checkpoint and load it into a fresh "
+            "module instead (checkpoints reshard across layouts)."
+        )
+    choices = prepare_model(model, ctx, device, dispatcher)
+    setattr(model, _LAYOUT_ATTR, layout)
+    return choices
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:

@@ -22,6 +22,7 @@ torchrun / SLURM, or from processes that initialised ``torch.distributed`` alrea
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -41,22 +42,22 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
-from lightning_moe.layers.loss_scale import LossGradScale
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context
-from lightning_moe.parallel.batch_agreement import check_same_batch
 from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
 from lightning_moe.parallel.dispatchers import DISPATCHERS
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
-from lightning_moe.parallel.grad_scaler import agree_on_overflow
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
-from lightning_moe.strategies.model_setup import check_tensor_parallel_support, materialize, prepare_model
+from lightning_moe.strategies.model_setup import materialize, prepare_model_once
+from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
+from lightning_moe.strategies.step_safeguards import StepSafeguards
 
 __all__ = ["MoEStrategy"]
 
@@ -82,7 +83,12 @@ class MoEStrategy(ParallelStrategy):
         start_method: ``"popen"`` (re-run the script per rank). Spawn/fork launchers are refused:
             they send rank 0's local state back to the parent, which would keep one shard only.
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
-        timeout: timeout of collectives.
+        timeout: timeout of every collective, on the default group and every subgroup: a rank that
+            stops answering ends the job with an error after this long.
+        on_nonfinite_grads: ``"raise"`` (default): a step whose reduced gradients hold inf/NaN raises
+            :class:`~lightning_moe.strategies.optimizer_step.NonFiniteGradientsError` before the
+            optimizer step; ``"skip"``: the step is skipped and counted in ``moe/skipped_steps``.
+            Under ``16-mixed`` the GradScaler handles overflows instead.
     """
 
     strategy_name = "moe"
@@ -103,6 +109,7 @@ class MoEStrategy(ParallelStrategy):
         start_method: str = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        on_nonfinite_grads: str = "raise",
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -147,7 +154,7 @@ class MoEStrategy(ParallelStrategy):
         self._context: ParallelContext | None = None
         self._device_mesh: DeviceMesh | None = None
         self._grad_sync: GradSync | None = None
-        self._loss_grad_scale: LossGradScale | None = None
+        self._safeguards = StepSafeguards(on_nonfinite_grads)
         self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint)
         self.num_nodes = 1
 
@@ -247,7 +254,7 @@ class MoEStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         if self._context is None:
             dims = self.parallel_dims(dist.get_world_size())
-            self._context = build_parallel_context(dims, self.root_device.type)
+            self._context = build_parallel_context(dims, self.root_device.type, timeout=self._timeout)
             dense = self._context.dense_mesh
             self._device_mesh = DeviceMesh.from_group(
                 [dense.get_group(i) for i in range(dense.ndim)], self.root_device.type,
@@ -263,35 +270,19 @@ class MoEStrategy(ParallelStrategy):
         """Parallelize and materialise the model, set up gradient sync, optimizers and precision."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        check_tensor_parallel_support(self.model, self.parallel_context.size("tp"))
-        layout = (self.parallel_context.dims, self.dispatcher)
-        applied = getattr(self.model, "_lightning_moe_layout", None)
-        if applied is None:
-            gemm_choices = prepare_model(self.model, self.parallel_context, self.root_device, self.dispatcher)
-            if gemm_choices:
-                rank_zero_info(
-                    f"MoEStrategy: CPU expert GEMMs through {describe_cpu_gemm_choices(gemm_choices)} (measured on "
-                    f"rank 0, used by every rank; {CPU_GEMM_ENV_VAR}=aten or onednn forces one library)"
-                )
-            self.model._lightning_moe_layout = layout
-        elif applied != layout:
-
-            def sizes(dims: ParallelDims, dispatcher: str) -> str:
-                return f"TP={dims.tp}, CP={dims.cp}, EP={dims.ep}, ETP={dims.etp}, dispatcher={dispatcher}"
-
-            raise ValueError(
-                f"This LightningModule was already parallelized with {sizes(*applied)} and cannot be "
-                f"re-sharded in place to {sizes(*layout)}. Save a checkpoint and load it into a fresh "
-                "module instead (checkpoints reshard across layouts)."
+        gemm_choices = prepare_model_once(self.model, self.parallel_context, self.root_device, self.dispatcher)
+        if gemm_choices:
+            rank_zero_info(
+                f"MoEStrategy: CPU expert GEMMs through {describe_cpu_gemm_choices(gemm_choices)} (measured on "
+                f"rank 0, used by every rank; {CPU_GEMM_ENV_VAR}=aten or onednn forces one library)"
             )
         materialize(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._loss_grad_scale = LossGradScale(self.root_device)
-        self._loss_grad_scale.bind(self.model)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:  # 16-mixed: expert shards differ per rank, the skip decision must not
-            agree_on_overflow(scaler)
+        self._safeguards.setup(
+            self.model, self.parallel_context, self.root_device, self._grad_scaler,
+            detect_anomaly=getattr(trainer, "_detect_anomaly", False),
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             self._add_expert_bias_updater(trainer)
             if self._grad_sync is None:
@@ -309,19 +300,9 @@ class MoEStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self.barrier()
 
-    def _update_loss_grad_scale(self) -> None:
-        # The injected aux/z-loss gradients must scale exactly like the main loss (see
-        # lightning_moe.layers.loss_scale): Lightning divides the loss by the accumulation factor
-        # (read every step: GradientAccumulationScheduler changes it) and 16-mixed multiplies it by
-        # the GradScaler's scale. The CP factor undoes the 1/(DP*CP) pre-scale for losses that
-        # each CP rank holds only a share of (reference section 2.5.4).
-        if self._loss_grad_scale is None:
-            return
-        trainer = self.lightning_module.trainer
-        accumulation = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
-        self._loss_grad_scale.update(
-            self.parallel_context.size("cp") / accumulation, getattr(self.precision_plugin, "scaler", None)
-        )
+    @property
+    def _grad_scaler(self):
+        return getattr(self.precision_plugin, "scaler", None)  # 16-mixed
 
     def _add_expert_bias_updater(self, trainer) -> None:
         # Expert biases and the global aux loss need an end-of-global-batch update (reference
@@ -359,20 +340,13 @@ class MoEStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any):
         """Check that the tensor-parallel ranks got the same batch, then run the module's step."""
-        self._check_tensor_parallel_batch(args, kwargs)
+        StepSafeguards.check_batch(args, kwargs, self.parallel_context)
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
         """As :meth:`training_step`: validation batches are split over TP ranks too."""
-        self._check_tensor_parallel_batch(args, kwargs)
+        StepSafeguards.check_batch(args, kwargs, self.parallel_context)
         return super().validation_step(*args, **kwargs)
-
-    def _check_tensor_parallel_batch(self, args: tuple, kwargs: dict) -> None:
-        # TP ranks split each sequence between them; Megatron broadcasts the batch from TP rank 0,
-        # we check it (one small all-gather, one host read per step) and name the likely cause.
-        if self.parallel_context.size("tp") > 1:
-            batch = args[0] if args else kwargs.get("batch")
-            check_same_batch(batch, self.parallel_context.group("tp"))
 
     # -- gradients ------------------------------------------------------------------------------
 
@@ -406,7 +380,9 @@ class MoEStrategy(ParallelStrategy):
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Before each training backward: the aux/z-loss gradient scale follows the main loss's."""
-        self._update_loss_grad_scale()
+        module = self.lightning_module
+        accumulation = module.trainer.accumulate_grad_batches if module.automatic_optimization else 1
+        self._safeguards.before_backward(accumulation, self.parallel_context, self._grad_scaler)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         """Finish the overlapped reduction after a backward that is not being accumulated."""
@@ -432,6 +408,10 @@ class MoEStrategy(ParallelStrategy):
         def reduced_closure():
             result = inner()
             self.finish_grad_sync()  # a no-op when post_backward already reduced
+            self._safeguards.before_optimizer_step(
+                optimizer, self.parallel_context, self.lightning_module.trainer.global_step, self._grad_scaler,
+                log=self._log_step_metric,
+            )
             return result
 
         return super().optimizer_step(optimizer, reduced_closure, model, **kwargs)
@@ -442,20 +422,10 @@ class MoEStrategy(ParallelStrategy):
         return clip_grad_norm_(self.model.parameters(), max_norm, self.parallel_context)
 
     def _patch_gradient_clipping(self) -> None:
-        # Lightning clips through the precision plugin with the local norm of each rank's shard;
-        # route norm clipping to the global norm instead (value clipping needs no communication).
-        plugin = self.precision_plugin
-        if getattr(plugin, "_lightning_moe_clipping", False):
-            return
-        strategy = self
+        patch_gradient_clipping(self.precision_plugin, lambda: self.parallel_context, self.finish_grad_sync)
 
-        def clip_grad_by_norm(optimizer, clip_val):
-            strategy.finish_grad_sync()  # manual optimization may clip before stepping
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_(params, float(clip_val), strategy.parallel_context)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-        plugin._lightning_moe_clipping = True
+    def _log_step_metric(self, name: str, value: float) -> None:
+        self.lightning_module.log(name, value, on_step=True, on_epoch=False)
 
     # -- collectives ----------------------------------------------------------------------------
 
@@ -511,6 +481,11 @@ class MoEStrategy(ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         """Nothing to do: :meth:`load_checkpoint` loaded the optimizer states in place."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A run stopped by SIGTERM exits with 143 (128 + SIGTERM) instead of Lightning's 0."""
+        if isinstance(exception, SIGTERMException) and not exception.code:
+            exception.code = 128 + signal.SIGTERM
 
     def teardown(self) -> None:
         """Release the accelerator and the gradient hooks; sharded models stay where they are."""

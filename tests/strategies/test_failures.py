@@ -1,0 +1,149 @@
+"""Failures surface: non-finite gradients, a stopped rank, anomaly mode with tensor parallelism.
+
+* A NaN in one rank's MoE input spreads to every gradient through the reductions. The strategy
+  refuses the step (or skips it, on request) before the optimizer runs; the oracle is the rule:
+  the weights stay those of the last good step, finite, on every rank.
+* A rank that stops (SIGSTOP) makes the others fail within the strategy's ``timeout`` (every
+  subgroup gets it), not torch's 30-minute default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.dist import DistributedTestError, run_distributed
+from lightning.pytorch.callbacks import Callback
+from strategies.toy import ToyModule, make_dataset, quiet_trainer_kwargs, train_loader
+
+from lightning_moe.strategies import MoEStrategy
+from lightning_moe.strategies.optimizer_step import NonFiniteGradientsError
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+
+
+class NaNInputOnRankZero(Callback):
+    """Rank 0's input holds one NaN at step 1; records the dense weights after every step."""
+
+    def __init__(self) -> None:
+        self.weights: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if dist.get_rank() == 0 and trainer.global_step == 1:
+            batch[0][0, 0, 0] = float("nan")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.weights.append(pl_module.net.head.weight.detach().clone())
+
+
+def _fit_with_nan(rank: int, world: int, policy: str) -> dict:
+    probe, module = NaNInputOnRankZero(), ToyModule()
+    trainer = L.Trainer(**quiet_trainer_kwargs(
+        devices=world, strategy=MoEStrategy(expert_parallel_size=2, on_nonfinite_grads=policy),
+        max_steps=STEPS, callbacks=[probe],
+    ))
+    error = None
+    try:
+        trainer.fit(module, train_loader(make_dataset(32)))
+    except NonFiniteGradientsError as err:
+        error = str(err)
+    finite = all(torch.isfinite(p).all() for p in module.parameters())
+    skipped = trainer.callback_metrics.get("moe/skipped_steps")
+    return {"error": error, "finite": finite, "weights": probe.weights, "global_step": trainer.global_step,
+            "skipped": None if skipped is None else float(skipped)}
+
+
+def test_non_finite_gradients_raise_before_the_step(tmp_path):
+    for r in run_distributed(_fit_with_nan, 2, "raise", timeout_s=120, tmp_dir=tmp_path):
+        assert r["error"] is not None and r["error"].startswith("Step 1: the gradients are not finite")
+        assert "on_nonfinite_grads='skip'" in r["error"]
+        assert r["finite"] and r["global_step"] == 1  # the weights of the last good step
+
+
+def test_non_finite_gradients_can_skip_the_step(tmp_path):
+    for r in run_distributed(_fit_with_nan, 2, "skip", timeout_s=120, tmp_dir=tmp_path):
+        assert r["error"] is None and r["finite"] and r["global_step"] == STEPS
+        torch.testing.assert_close(r["weights"][1], r["weights"][0], rtol=0, atol=0)  # step 1 changed nothing
+        assert not torch.equal(r["weights"][2], r["weights"][1])  # step 2 trained again
+        assert r["skipped"] == 1.0
+
+
+def test_unknown_nonfinite_policy_is_refused():
+    with pytest.raises(ValueError, match=r"on_nonfinite_grads='ignore'; choose one of \['raise', 'skip'\]"):
+        MoEStrategy(on_nonfinite_grads="ignore")
+
+
+TIMEOUT_S = 5
+SLACK_S = 25  # process teardown and gloo's own polling, far below torch's 30-minute default
+
+
+class StopRankOne(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if dist.get_rank() == 1 and trainer.global_step == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _fit_with_a_stopped_rank(rank: int, world: int, report: str) -> None:
+    trainer = L.Trainer(**quiet_trainer_kwargs(
+        devices=world, strategy=MoEStrategy(expert_parallel_size=2, timeout=timedelta(seconds=TIMEOUT_S)),
+        max_steps=STEPS, callbacks=[StopRankOne()],
+    ))
+    start = time.monotonic()
+
+    class Clock(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            nonlocal start
+            start = time.monotonic()
+
+    trainer.callbacks.append(Clock())
+    try:
+        trainer.fit(ToyModule(), train_loader(make_dataset(32)))
+    except Exception as err:  # what a user's job sees: an error, then the launcher ends the others
+        with open(report, "w") as f:
+            json.dump({"error": f"{type(err).__name__}: {err}", "after_s": time.monotonic() - start}, f)
+        raise
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
+    report = str(tmp_path / "rank0.json")
+    with pytest.raises(DistributedTestError):  # rank 1 stays stopped until the harness kills it
+        run_distributed(_fit_with_a_stopped_rank, 2, report, timeout_s=90, tmp_dir=tmp_path)
+    with open(report) as f:
+        outcome = json.load(f)
+    assert outcome["after_s"] < TIMEOUT_S + SLACK_S, outcome
+
+
+def _fit_with_anomaly_mode(rank: int, world: int, tp: int) -> str:
+    from parallel.test_batch_agreement import RankSeededTokens  # the TP-capable language-model data
+
+    from lightning_moe import MoEConfig
+    from lightning_moe.lit import MoELanguageModel
+    from lightning_moe.models import MoETransformerConfig
+
+    config = MoETransformerConfig(vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=4, num_kv_heads=2,
+                                  ffn_hidden_size=64, moe=MoEConfig(32, 16, 4, top_k=2))
+    strategy = MoEStrategy(tensor_parallel_size=tp, expert_parallel_size=world // tp, expert_tensor_parallel_size=1)
+    trainer = L.Trainer(**quiet_trainer_kwargs(devices=world, strategy=strategy, max_steps=2), detect_anomaly=True)
+    try:
+        trainer.fit(MoELanguageModel(config), torch.utils.data.DataLoader(RankSeededTokens(False), batch_size=2))
+    except ValueError as err:
+        return str(err)
+    return f"trained {trainer.global_step} steps"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_anomaly_mode_runs_without_tensor_parallelism_and_is_refused_with_it(tmp_path, tp):
+    for outcome in run_distributed(_fit_with_anomaly_mode, 2, tp, timeout_s=120, tmp_dir=tmp_path):
+        if tp == 1:
+            assert outcome == "trained 2 steps"
+        else:
+            assert "detect_anomaly=True) does not work with tensor_parallel_size=2" in outcome
