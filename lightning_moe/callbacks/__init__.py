@@ -6,8 +6,9 @@ from lightning_moe.callbacks.load_balance import LoadBalanceMonitor
 from lightning_moe.callbacks.loss_scaling import MoELossScaling
 from lightning_moe.callbacks.offload import ActivationOffload
 from lightning_moe.callbacks.recompute import SelectiveRecompute
+from lightning_moe.callbacks.sigterm_checkpoint import CheckpointOnSigterm
 
 __all__ = [
-    "ActivationOffload", "CUDAGraphCapture", "ExpertBiasUpdater", "LoadBalanceMonitor", "MoELossScaling",
+    "ActivationOffload", "CUDAGraphCapture", "CheckpointOnSigterm", "ExpertBiasUpdater", "LoadBalanceMonitor", "MoELossScaling",
     "SelectiveRecompute",
 ]
