@@ -102,11 +102,12 @@ def _group_num_tokens(
     """``N`` of ref. 2.5.3: local rows times the group size, or valid tokens from the counts.
 
     With a padding mask every valid token contributes ``tokens_per_row`` assignments to the counts,
-    so ``sum(counts) / tokens_per_row`` is the group's valid-token count. It is clamped at 1 so a
-    group made only of padding gives a zero loss instead of Megatron's 0/0 = NaN.
+    so ``sum(counts) / tokens_per_row`` is the group's valid-token count. Both are clamped at 1 so
+    a group made only of padding, or a rank (micro-batch) with no tokens, gives a zero loss (its
+    scores sum to zero) instead of Megatron's 0/0 = NaN or a ``ZeroDivisionError``.
     """
     if not with_padding_mask:
-        return num_local_rows * group_size
+        return max(num_local_rows * group_size, 1)
     return torch.clamp(counts.sum() / tokens_per_row, min=1.0)
 
 

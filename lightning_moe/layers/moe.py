@@ -38,6 +38,8 @@ class MoELayer(nn.Module):
     and computed but excluded from the load-balancing losses, z-loss and expert-bias counts.
     Auxiliary losses reach the gradients through an autograd scaler on the router outputs, so
     the training loss needs no change; their values are kept by ``router.logged_losses()``.
+    Zero tokens (``[0, H]``, ``[0, S, H]`` or ``[B, 0, H]``: an expert-parallel rank or a
+    micro-batch without any) give an empty output, zero losses (logged as 0) and zero gradients.
 
     State dict (public format, DESIGN.md section 2): ``router.weight`` ``[E, H]``,
     ``router.expert_bias`` ``[E]`` (with expert bias), ``experts.fc1_weight`` ``[E, 2F, H]``

@@ -230,7 +230,8 @@ class TopKRouter(nn.Module):
         self.logged_loss_sums[index] += value.detach().float()
         self.logged_loss_counts[index] += 1
 
-    def _validate_inputs(self, hidden: Tensor, padding_mask: Tensor | None, num_sequences: int) -> None:
+    def _validate_inputs(self, hidden: Tensor, padding_mask: Tensor | None, num_sequences: int) -> int:
+        """Check the inputs of :meth:`forward`; returns the number of sequences to route with."""
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
             raise ValueError(
                 f"TopKRouter expects hidden of shape [num_tokens, {self.config.hidden_size}], got "
@@ -244,11 +245,16 @@ class TopKRouter(nn.Module):
                 f"padding_mask must be a bool tensor of shape ({num_tokens},) (True = padding), got "
                 f"{padding_mask.dtype} {tuple(padding_mask.shape)}."
             )
+        if num_tokens == 0 and num_sequences == 0:
+            # A [0, S, H] batch (an expert-parallel rank or micro-batch without samples) holds the
+            # same tokens as one empty sequence; the sequence aux loss needs B >= 1 to split them.
+            return 1
         if num_sequences < 1 or num_tokens % num_sequences:
             raise ValueError(
                 f"num_sequences={num_sequences} must be >= 1 and divide the {num_tokens} tokens "
                 "(tokens are ordered sequence-major: t = b * S_local + s)."
             )
+        return num_sequences
 
     def forward(
         self, hidden: Tensor, padding_mask: Tensor | None = None, num_sequences: int = 1
@@ -257,7 +263,9 @@ class TopKRouter(nn.Module):
 
         Tokens are ordered sequence-major (``t = b * S_local + s``, ``num_sequences = B``) for the
         sequence aux loss; ``padding_mask`` ``[T]`` (True = padding) removes tokens from the losses
-        and counts, not from routing. Order as upstream (ref. 2.2): jitter (training), logits in
+        and counts, not from routing. Zero tokens (also as ``num_sequences=0``) give empty outputs,
+        attached losses of 0 recorded as 0 (a rank's share of its group's loss is then 0, and
+        every rank records the same number of micro-batches) and nothing counted. Order as upstream (ref. 2.2): jitter (training), logits in
         the router dtype, forced balancing, z-loss on the logits, top-k routing, capacity
         (per this rank's ``T``), aux losses on the probs, expert-bias counts of the kept assignments.
         Padding the map to ``config.router_padding_alignment`` is done after this, by the MoE
@@ -270,7 +278,7 @@ class TopKRouter(nn.Module):
         fp32 activations under ``bf16-mixed`` route in fp32, bf16 activations (``bf16-true``, like
         a Megatron bf16 model) in bf16.
         """
-        self._validate_inputs(hidden, padding_mask, num_sequences)
+        num_sequences = self._validate_inputs(hidden, padding_mask, num_sequences)
         with _autocast_disabled(hidden.device):
             return self._route(hidden, padding_mask, num_sequences)
 
