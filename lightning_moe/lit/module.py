@@ -2,8 +2,9 @@
 
 Written for one device like any LightningModule; ``Trainer(strategy=MoEStrategy(...))`` makes it
 parallel. It logs what people look at while training a language model: ``train_loss`` (progress
-bar), ``val_loss`` and ``val_ppl`` (perplexity, a torchmetrics metric), the learning rate and
-``tokens_per_sec`` (global tokens consumed per second of wall time).
+bar), ``val_loss`` and ``val_ppl`` (per target token, torchmetrics metrics), the learning rate and
+``tokens_per_sec`` (global tokens consumed per second of wall time). A micro-batch whose targets
+are all ``IGNORE_INDEX`` has loss 0 (no NaN, no gradient); an empty batch is refused.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from dataclasses import asdict
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+from torchmetrics import Metric
 from torchmetrics.text import Perplexity
 
 from lightning_moe.models import MoETransformer, MoETransformerConfig
+from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss
 
-__all__ = ["MoELanguageModel", "optimizer_param_groups"]
+__all__ = ["MoELanguageModel", "TokenMeanLoss", "check_batch", "optimizer_param_groups"]
 
 IGNORE_INDEX = -100
 
@@ -45,6 +47,52 @@ def optimizer_param_groups(module: torch.nn.Module, weight_decay: float) -> list
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def check_batch(inputs: Tensor, targets: Tensor, stage: str, batch_idx: int) -> None:
+    """Refuse a batch that is not two non-empty ``[B, S]`` tensors of one shape, saying why."""
+    if inputs.dim() != 2 or inputs.shape != targets.shape:
+        raise ValueError(
+            f"{stage} batch {batch_idx}: inputs and targets must both be [B, S], got inputs of shape "
+            f"{tuple(inputs.shape)} and targets of shape {tuple(targets.shape)}; targets are the inputs "
+            "shifted by one position (see lightning_moe.data.PackedTokenDataset)."
+        )
+    if inputs.numel() == 0:
+        raise ValueError(
+            f"{stage} batch {batch_idx} is empty: inputs of shape {tuple(inputs.shape)}, targets of shape "
+            f"{tuple(targets.shape)} ({inputs.shape[0]} samples of {inputs.shape[1]} tokens). {EMPTY_BATCH_HINT}"
+        )
+
+
+class TokenMeanLoss(Metric):
+    """Mean loss per target token over every batch (and rank) seen, for ``val_loss``.
+
+    ``update(mean_loss, num_targets)`` adds one batch. Weighting by the targets kept, as the
+    perplexity does, keeps a batch without any target (its loss is 0, see
+    :func:`~lightning_moe.models.transformer.next_token_loss`) from pulling the mean down, so
+    ``val_ppl`` is ``exp(val_loss)`` up to rounding. NaN only when no batch had a target.
+    """
+
+    full_state_update = False
+    higher_is_better = False
+    is_differentiable = False
+
+    loss_sum: Tensor
+    num_targets: Tensor
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("loss_sum", torch.zeros((), dtype=torch.float32), dist_reduce_fx="sum")
+        self.add_state("num_targets", torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, mean_loss: Tensor, num_targets: Tensor) -> None:
+        """Add one batch's mean loss over its ``num_targets`` targets (device tensors, no host read)."""
+        self.loss_sum += mean_loss.detach().float() * num_targets
+        self.num_targets += num_targets
+
+    def compute(self) -> Tensor:
+        """The token-weighted mean loss (fp32; NaN when no batch had a target)."""
+        return self.loss_sum / self.num_targets
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -84,6 +132,7 @@ class MoELanguageModel(L.LightningModule):
             "betas": list(betas), "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio,
         })
         self.model: MoETransformer | None = None
+        self.val_loss = TokenMeanLoss()
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self._step_started: float | None = None
 
@@ -107,20 +156,25 @@ class MoELanguageModel(L.LightningModule):
         return self.model(tokens)
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        # 0, still connected to the graph, for a micro-batch whose targets are all IGNORE_INDEX.
+        return next_token_loss(logits, targets, IGNORE_INDEX)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        """Mean next-token cross-entropy of this rank's micro-batch."""
+        """Mean next-token cross-entropy of this rank's micro-batch (0 if every target is ignored)."""
         inputs, targets = batch
+        check_batch(inputs, targets, "training", batch_idx)
         loss = self._loss(self(inputs), targets)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        """Validation loss and perplexity, averaged over every rank."""
+        """Validation loss and perplexity per target token, over every batch and rank."""
         inputs, targets = batch
+        check_batch(inputs, targets, "validation", batch_idx)
         logits = self(inputs)
-        self.log("val_loss", self._loss(logits, targets), prog_bar=True, sync_dist=True)
+        # Token-weighted (TokenMeanLoss): a batch without targets adds nothing instead of a 0.
+        self.val_loss(self._loss(logits, targets), (targets != IGNORE_INDEX).sum())
+        self.log("val_loss", self.val_loss, prog_bar=True)
         self.val_perplexity(logits.float(), targets)
         self.log("val_ppl", self.val_perplexity)
 

@@ -35,7 +35,18 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models.attention import Attention, RMSNorm, rotary_cos_sin
 from lightning_moe.models.config import MoETransformerConfig
 
-__all__ = ["DenseMLP", "MoETransformer", "TransformerBlock", "init_generator", "module_seed"]
+__all__ = [
+    "EMPTY_BATCH_HINT", "DenseMLP", "MoETransformer", "TransformerBlock", "init_generator", "module_seed",
+    "next_token_loss",
+]
+
+EMPTY_BATCH_HINT = (
+    "A data loader yielded an empty batch: check that the dataset (and each data-parallel rank's "
+    "shard of it) has samples, that no collate_fn or batch sampler filters out every sample of a "
+    "batch and that no step cuts the sequences to length 0; a batch sampler should drop an "
+    "incomplete last batch (drop_last=True) rather than yield an empty one."
+)
+"""The likely causes of an empty batch; the errors that refuse one end with it."""
 
 
 def module_seed(model_seed: int, name: str) -> int:
@@ -50,6 +61,22 @@ def module_seed(model_seed: int, name: str) -> int:
 def init_generator(model_seed: int, name: str) -> torch.Generator:
     """The CPU generator that initialises the module called ``name`` (see :func:`module_seed`)."""
     return torch.Generator(device="cpu").manual_seed(module_seed(model_seed, name))
+
+
+def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Mean fp32 cross-entropy of ``logits`` ``[B, S, V]`` over the ``targets`` ``[B, S]`` kept.
+
+    Targets equal to ``ignore_index`` are left out of the mean. A batch whose targets are all
+    ignored gives 0 where ``F.cross_entropy`` gives 0/0 = NaN: the sum over no target is a 0 that
+    still depends on the logits, so backward gives every parameter a (zero) gradient and
+    gradient reductions across ranks (DDP) see them all, and the logged value is 0.
+    """
+    flat_targets = targets.flatten()
+    total = F.cross_entropy(
+        logits.float().flatten(0, 1), flat_targets, ignore_index=ignore_index, reduction="sum"
+    )
+    # The count stays on the device: no host read per step.
+    return total / (flat_targets != ignore_index).sum().clamp(min=1)
 
 
 def _write_full(weight: Tensor, values: Tensor) -> None:
@@ -205,6 +232,12 @@ class MoETransformer(nn.Module):
             raise ValueError(
                 f"tokens must be an integer tensor [B, S], got {tokens.dtype} {tuple(tokens.shape)}."
             )
+        if tokens.numel() == 0:
+            raise ValueError(
+                f"MoETransformer got an empty batch: tokens of shape {tuple(tokens.shape)} "
+                f"({tokens.shape[0]} samples of {tokens.shape[1]} tokens); every batch needs at least one "
+                f"sample of at least one token. {EMPTY_BATCH_HINT}"
+            )
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(
@@ -227,13 +260,11 @@ class MoETransformer(nn.Module):
     ) -> Tensor:
         """Mean next-token cross-entropy (fp32) of ``forward(tokens)`` against ``targets`` ``[B, S]``.
 
-        Targets equal to ``ignore_index`` are left out of the mean; ``padding_mask`` goes to
-        :meth:`forward` (it keeps padded tokens out of the MoE statistics).
+        Targets equal to ``ignore_index`` are left out of the mean (all of them: 0, see
+        :func:`next_token_loss`); ``padding_mask`` goes to :meth:`forward` (it keeps padded tokens
+        out of the MoE statistics).
         """
-        logits = self(tokens, padding_mask)
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index
-        )
+        return next_token_loss(self(tokens, padding_mask), targets, ignore_index)
 
     def extra_repr(self) -> str:
         config = self.config
