@@ -7,79 +7,35 @@
   global DTensors the same way, so moments reshard with their weights. Only tensors go into the
   shards; the param-group hyperparameters are returned separately (:func:`optimizer_param_groups`)
   for the small metadata file.
-* Loading reads DCP's metadata with a restricted unpickler (:class:`SafeFileSystemReader`): a
-  checkpoint can carry tensors and DCP's own bookkeeping classes, never arbitrary objects.
+* Loading goes through :func:`load_sharded` (:mod:`lightning_moe.parallel.checkpoint_security`):
+  DCP's metadata is read with an exact allowlist and bytes items only where the caller's state
+  declares a non-tensor, with ``weights_only=True``; a checkpoint can carry tensors and DCP's own
+  bookkeeping, never code. Load a sharded checkpoint at any layout (or on one device) with::
+
+      state = model.state_dict()      # templates at the current layout
+      load_sharded(state, ckpt_dir)   # instead of dcp.load(state, checkpoint_id=ckpt_dir)
+      model.load_state_dict(state)
 """
 
 from __future__ import annotations
 
-import io
-import pickle
-from typing import Any
-
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_moe.parallel.checkpoint_security import SafeFileSystemReader, SafeLoadPlanner, load_sharded
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter, expert_shard
 
 __all__ = [
     "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "init_optimizer_state",
     "load_optimizer_state_dict",
+    "load_sharded",
     "optimizer_param_groups",
     "optimizer_state_dict",
 ]
-
-# Modules whose classes may appear in a DCP metadata file (dataclasses describing the shards).
-_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed.tensor.")
-_SAFE_GLOBALS = {
-    ("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice")
-} | {
-    ("collections", "OrderedDict"),
-    # DCP records the checkpoint path (a pathlib object) in its metadata.
-    ("pathlib", "Path"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch.serialization", "_get_layout"),
-}
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _SAFE_GLOBALS or module.startswith(_SAFE_MODULE_PREFIXES)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            allowed = True
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"Refusing to load {module}.{name} from a checkpoint's metadata: only tensors and "
-                "torch.distributed.checkpoint's own metadata classes are allowed."
-            )
-        return super().find_class(module, name)
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is unpickled with an allowlist (see the module docstring)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _RestrictedUnpickler(io.BytesIO(stream.read())).load()
-        # Mirror FileSystemReader.read_metadata's bookkeeping.
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def _params_by_index(optimizer: Optimizer) -> list[nn.Parameter]:

@@ -11,19 +11,22 @@ Save, on every rank of a parallelized model (gloo or nccl)::
 expert tensors are DTensors on ``ctx.expert_mesh`` sharded over EP (and ETP), everything else
 plain tensors (replicated; DCP writes one copy).
 
-Load, on every rank of a model parallelized at any layout (same or different EP / ETP)::
+Load, on every rank of a model parallelized at any layout (same or different EP / ETP), with
+``lightning_moe.parallel.checkpoint.load_sharded`` (``dcp.load`` with the reader and planner that
+refuse code in a checkpoint; what `MoEStrategy` loads with too)::
 
     state = model.state_dict()                 # DTensors of *this* layout, global shapes
-    dcp.load(state, checkpoint_id=ckpt_dir)    # fills them in place, each rank reading its slice
+    load_sharded(state, ckpt_dir)              # fills them in place, each rank reading its slice
     model.load_state_dict(state)
 
 Load on one device, no process group at all (recent torch detects that there is none)::
 
     state = model.state_dict()                 # plain tensors of the single-device model
-    dcp.load(state, checkpoint_id=ckpt_dir)
+    load_sharded(state, ckpt_dir)
     model.load_state_dict(state)
 
-or consolidate into one ``torch.save`` file first::
+or consolidate a checkpoint you trust into one ``torch.save`` file first (DCP's converter
+unpickles with ``weights_only=False``)::
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save(ckpt_dir, "model.pt")
@@ -58,6 +61,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_moe import MoEConfig
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.parallel import ParallelDims, build_parallel_context, is_expert_param, parallelize
+from lightning_moe.parallel.checkpoint import SafeFileSystemReader, load_sharded
 
 pytestmark = pytest.mark.distributed
 
@@ -222,7 +226,7 @@ def _load_checkpoint(fc2_bias: bool, layout: dict, ckpt_dir: str, saved: dict) -
     model = parallelize(build_model(fc2_bias), ctx)
     state = model.state_dict()
     check_public_format(state, fc2_bias, ctx)
-    dcp.load(state, checkpoint_id=ckpt_dir)
+    load_sharded(state, ckpt_dir)
     model.load_state_dict(state)
     what = f"{layout} loading {ckpt_dir}"
     check_local_params(model, ctx, saved, what)
@@ -345,19 +349,19 @@ def test_checkpoint_metadata_holds_global_shapes(checkpoints):
     """What DCP wrote: exactly the public keys, with global shapes, whatever layout saved it."""
     paths, _, _ = checkpoints
     for name, path in paths.items():
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = SafeFileSystemReader(path).read_metadata().state_dict_metadata
         assert {k: tuple(m.size) for k, m in metadata.items()} == public_format(name == "bias"), name
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 @pytest.mark.parametrize("name", ["bias", "etp1", "etp2"])
 def test_load_on_one_device_without_process_group(checkpoints, name, tmp_path):
-    """EP=1, no process group: ``dcp.load`` into the plain model, and via ``dcp_to_torch_save``."""
+    """EP=1, no process group: ``load_sharded`` into the plain model, and via ``dcp_to_torch_save``."""
     paths, _, saved = checkpoints
     assert not dist.is_initialized()
     model = build_model(name == "bias")
     state = model.state_dict()
-    dcp.load(state, checkpoint_id=paths[name])
+    load_sharded(state, paths[name])
     model.load_state_dict(state)
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved[name][key]), key

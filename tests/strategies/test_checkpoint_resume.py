@@ -233,13 +233,13 @@ def test_resumed_loss_curves(runs):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 @pytest.mark.parametrize("checkpoint_id", [str, Path], ids=["str", "Path"])
 def test_safe_reader_reads_metadata_that_dcp_writes(tmp_path, checkpoint_id):
-    """Library bug: `SafeFileSystemReader` cannot read any DCP checkpoint written by torch 2.13.
+    """Library bug (fixed): `SafeFileSystemReader` could not read any DCP checkpoint written by torch 2.13.
 
     ``FileSystemWriter`` stores ``StorageMeta(checkpoint_id=PosixPath(...))`` in ``.metadata``
-    (it converts even a ``str`` id to a ``Path``), and the allowlist of
-    ``lightning_moe/parallel/checkpoint.py`` (``_SAFE_GLOBALS``) has no ``pathlib`` entry, so
-    ``read_metadata`` raises "Refusing to load pathlib.PosixPath" and every
-    ``trainer.fit(ckpt_path=...)`` with `MoEStrategy` fails (all resume tests above).
+    (it converts even a ``str`` id to a ``Path``); the allowlist (now ``_ALLOWED_GLOBALS`` of
+    ``lightning_moe/parallel/checkpoint_security.py``) had no ``pathlib`` entry, so
+    ``read_metadata`` raised "Refusing to load pathlib.PosixPath" and every
+    ``trainer.fit(ckpt_path=...)`` with `MoEStrategy` failed (all resume tests above).
     """
     dcp.save({"w": torch.arange(4.0)}, checkpoint_id=checkpoint_id(tmp_path))
     metadata = SafeFileSystemReader(tmp_path).read_metadata()
