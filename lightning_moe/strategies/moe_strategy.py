@@ -21,7 +21,6 @@ torchrun / SLURM, or from processes that initialised ``torch.distributed`` alrea
 
 from __future__ import annotations
 
-import logging
 import signal
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -50,21 +49,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context
 from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
-from lightning_moe.parallel.dispatchers import DISPATCHERS
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
+from lightning_moe.strategies.options import check_strategy_options
 from lightning_moe.strategies.step_safeguards import StepSafeguards
 
 __all__ = ["MoEStrategy"]
 
-log = logging.getLogger(__name__)
 
 _LIGHTNING_MESH_NAMES = ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
-_SUPPORTED_START_METHODS = ("popen",)
 
 
 class MoEStrategy(ParallelStrategy):
@@ -80,6 +77,8 @@ class MoEStrategy(ParallelStrategy):
         order: rank order of the folded layout, ``"tp-cp-ep-dp-pp"`` or ``"tp-cp-ep-pp-dp"``.
         bucket_size_mb: gradient reduction bucket size.
         save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file.
+        verify_checkpoints: check every shard's SHA-256 on load (recorded at save); False for very
+            large checkpoints on trusted storage.
         start_method: ``"popen"`` (re-run the script per rank). Spawn/fork launchers are refused:
             they send rank 0's local state back to the parent, which would keep one shard only.
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
@@ -106,6 +105,7 @@ class MoEStrategy(ParallelStrategy):
         order: str = "tp-cp-ep-dp-pp",
         bucket_size_mb: float = 25.0,
         save_distributed_checkpoint: bool = True,
+        verify_checkpoints: bool = True,
         start_method: str = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -122,26 +122,7 @@ class MoEStrategy(ParallelStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )
-        if pipeline_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not supported yet; "
-                "use pipeline_parallel_size=1 (fold the ranks into data or expert parallelism instead)."
-            )
-        if context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size={context_parallel_size}: context parallelism of attention is not "
-                "supported yet (the ranks of a CP group would see the same tokens twice); use "
-                "context_parallel_size=1."
-            )
-        if dispatcher not in DISPATCHERS:
-            raise ValueError(f"Unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}.")
-        if start_method not in _SUPPORTED_START_METHODS:
-            raise ValueError(
-                f"start_method={start_method!r} is not supported by MoEStrategy: Lightning's multiprocessing "
-                "launcher returns rank 0's local model state to the parent process, which would keep one "
-                "expert shard and lose the rest. Use start_method='popen' (the default: each rank re-runs "
-                "the script), or launch with torchrun / SLURM."
-            )
+        check_strategy_options(pipeline_parallel_size, context_parallel_size, dispatcher, start_method)
         self.sizes = {
             "tp": tensor_parallel_size, "cp": context_parallel_size, "pp": pipeline_parallel_size,
             "ep": expert_parallel_size, "etp": expert_tensor_parallel_size,
@@ -155,7 +136,7 @@ class MoEStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._grad_sync: GradSync | None = None
         self._safeguards = StepSafeguards(on_nonfinite_grads)
-        self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint)
+        self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint, verify_checkpoints=verify_checkpoints)
         self.num_nodes = 1
 
     # -- layout ---------------------------------------------------------------------------------
@@ -270,6 +251,9 @@ class MoEStrategy(ParallelStrategy):
         """Parallelize and materialise the model, set up gradient sync, optimizers and precision."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        callback = trainer.checkpoint_callback  # its dirpath is set in the callbacks' setup, before this
+        if trainer.state.fn == TrainerFn.FITTING and callback is not None and callback.dirpath is not None:
+            self.checkpointing.check_writable(callback.dirpath)  # before any step is spent
         gemm_choices = prepare_model_once(self.model, self.parallel_context, self.root_device, self.dispatcher)
         if gemm_choices:
             rank_zero_info(
@@ -475,6 +459,11 @@ class MoEStrategy(ParallelStrategy):
         plain containers and tensors; False, for checkpoints you trust, allows any object.
         """
         return self.checkpointing.load(Path(self.broadcast(str(checkpoint_path))), weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath) -> None:
+        """Delete a checkpoint and what interrupted saves of it left (rank 0)."""
+        if self.is_global_zero:
+            self.checkpointing.remove(Path(filepath))
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` loaded the weights in place."""

@@ -1,0 +1,36 @@
+"""The `MoEStrategy` options refused at construction, each with what to use instead."""
+
+from __future__ import annotations
+
+from lightning_moe.parallel.dispatchers import DISPATCHERS
+
+__all__ = ["SUPPORTED_START_METHODS", "check_strategy_options"]
+
+SUPPORTED_START_METHODS = ("popen",)
+"""Launchers that keep every rank's shards: Lightning's subprocess script launcher (or none)."""
+
+
+def check_strategy_options(
+    pipeline_parallel_size: int, context_parallel_size: int, dispatcher: str, start_method: str
+) -> None:
+    """Raise ``ValueError`` for an option `MoEStrategy` cannot honour (yet), saying what to use instead."""
+    if pipeline_parallel_size != 1:
+        raise ValueError(
+            f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not supported yet; "
+            "use pipeline_parallel_size=1 (fold the ranks into data or expert parallelism instead)."
+        )
+    if context_parallel_size != 1:
+        raise ValueError(
+            f"context_parallel_size={context_parallel_size}: context parallelism of attention is not "
+            "supported yet (the ranks of a CP group would see the same tokens twice); use "
+            "context_parallel_size=1."
+        )
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"Unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}.")
+    if start_method not in SUPPORTED_START_METHODS:
+        raise ValueError(
+            f"start_method={start_method!r} is not supported by MoEStrategy: Lightning's multiprocessing "
+            "launcher returns rank 0's local model state to the parent process, which would keep one "
+            "expert shard and lose the rest. Use start_method='popen' (the default: each rank re-runs "
+            "the script), or launch with torchrun / SLURM."
+        )
