@@ -4,8 +4,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
 from lightning_moe.strategies.moe_strategy import MoEStrategy
+from lightning_moe.strategies.optimizer_step import NonFiniteGradientsError
 
-__all__ = ["ExistingProcessGroupEnvironment", "MoEStrategy"]
+__all__ = ["ExistingProcessGroupEnvironment", "MoEStrategy", "NonFiniteGradientsError"]
 
 if MoEStrategy.strategy_name not in StrategyRegistry:
     MoEStrategy.register_strategies(StrategyRegistry)
