@@ -84,7 +84,8 @@ def _check_divisible(model: nn.Module, tp: int) -> None:
             f"tie_embeddings=True is not supported with tensor parallel size {tp} yet (the embedding and the "
             "output head are sharded separately); untie them or use TP=1."
         )
-    bad = {name: value for name, value in checks.items() if value % tp}
+    # ffn_hidden_size is None in all-MoE models (no dense FFN layer to shard).
+    bad = {name: value for name, value in checks.items() if value is not None and value % tp}
     if bad:
         raise ValueError(
             f"Tensor parallel size {tp} must divide {', '.join(f'{k}={v}' for k, v in bad.items())}; "

@@ -9,12 +9,14 @@ single-device run (fp32, load-balancing losses off).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers.asserts import exceeds, worst_error
 from helpers.dist import run_distributed
+from models.test_presets import PRESETS, load_preset
 from torch.distributed.tensor import DTensor
 
 from lightning_moe import MoEConfig
@@ -59,9 +61,11 @@ def _full(param: torch.Tensor, value: torch.Tensor, reference: torch.Tensor) -> 
     return value, reference
 
 
-def _train_and_compare(rank: int, world: int, layout: dict, clip: float | None) -> dict[str, float]:
+def _train_and_compare(
+    rank: int, world: int, layout: dict, clip: float | None, config: MoETransformerConfig | None = None
+) -> dict[str, float]:
     torch.manual_seed(0)
-    reference = MoETransformer(_config())
+    reference = MoETransformer(config or _config())
     model = copy.deepcopy(reference)
     ctx = build_parallel_context(ParallelDims(world, **layout), "cpu")
     parallelize(model, ctx)
@@ -76,7 +80,7 @@ def _train_and_compare(rank: int, world: int, layout: dict, clip: float | None) 
 
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 + step)
-        tokens = torch.randint(0, 64, (SAMPLES_PER_REPLICA * dp, SEQ + 1), generator=gen)
+        tokens = torch.randint(0, reference.config.vocab_size, (SAMPLES_PER_REPLICA * dp, SEQ + 1), generator=gen)
         mine = tokens[dp_rank * SAMPLES_PER_REPLICA : (dp_rank + 1) * SAMPLES_PER_REPLICA]
         loss = model.loss(mine[:, :-1], mine[:, 1:])
         loss.backward()
@@ -115,6 +119,37 @@ def test_tensor_parallel_training_equals_single_device(layout, clip, tmp_path):
         for rank, worst in enumerate(results)
         for key, err in worst.items()
         if exceeds(err, {"loss": LOSS_TOL, "grad norm": GRAD_TOL}.get(key, GRAD_TOL if key.startswith("grad") else WEIGHT_TOL))
+    }
+    assert not failures, failures
+
+
+def shrink(config: MoETransformerConfig) -> MoETransformerConfig:
+    """A preset at toy size with its structure kept: dense or no dense FFN, GQA or MHA, head_dim,
+    qk-norm, shared experts, expert groups and bias, score function, first dense layers."""
+    moe = config.moe
+    groups = {"num_groups": 4, "group_top_k": 2} if moe.num_groups else {}
+    small_moe = dataclasses.replace(
+        moe, hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=min(moe.top_k, 2), init_std=0.2,
+        shared_expert_ffn_hidden_size=16 if moe.shared_expert_ffn_hidden_size else None, **groups,
+    )
+    return dataclasses.replace(
+        config, vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
+        num_kv_heads=2 if config.num_kv_heads else None, head_dim=8 if config.head_dim else None,
+        ffn_hidden_size=64 if config.ffn_hidden_size else None, max_seq_len=32,
+        first_dense_layers=min(config.first_dense_layers, 1), init_std=0.2, moe=small_moe,
+    )
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tensor_parallel_on_every_preset_equals_single_device(preset, tmp_path):
+    """TP=2 with EP=2 folded, on each preset's structure (all-MoE presets have no dense FFN)."""
+    config = shrink(load_preset(preset))
+    results = run_distributed(
+        _train_and_compare, 2, {"tp": 2, "etp": 1, "ep": 2}, None, config, timeout_s=180, tmp_dir=tmp_path
+    )
+    failures = {
+        f"rank {rank}: {key}": err for rank, worst in enumerate(results) for key, err in worst.items()
+        if exceeds(err, LOSS_TOL if key == "loss" else GRAD_TOL if key.startswith("grad") else WEIGHT_TOL)
     }
     assert not failures, failures
 
