@@ -54,6 +54,7 @@ from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
+from lightning_moe.strategies.model_summary import use_global_model_summary
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
 from lightning_moe.strategies.options import check_strategy_options
 from lightning_moe.strategies.step_safeguards import StepSafeguards
@@ -268,6 +269,7 @@ class MoEStrategy(ParallelStrategy):
             detect_anomaly=getattr(trainer, "_detect_anomaly", False),
         )
         if trainer.state.fn == TrainerFn.FITTING:
+            use_global_model_summary(trainer.callbacks)
             self._add_expert_bias_updater(trainer)
             if self._grad_sync is None:
                 # Manual optimization may run several backward passes before one step: reduce at
