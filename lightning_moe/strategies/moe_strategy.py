@@ -22,6 +22,7 @@ torchrun / SLURM, or from processes that initialised ``torch.distributed`` alrea
 from __future__ import annotations
 
 import signal
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -54,10 +55,10 @@ from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
-from lightning_moe.strategies.model_summary import use_global_model_summary
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
 from lightning_moe.strategies.options import check_strategy_options
 from lightning_moe.strategies.step_safeguards import StepSafeguards
+from lightning_moe.strategies.trainer_callbacks import add_expert_bias_updater, use_global_model_summary
 
 __all__ = ["MoEStrategy"]
 
@@ -228,6 +229,11 @@ class MoEStrategy(ParallelStrategy):
         """Initialise the process group (if needed) and build the parallel context once."""
         super().setup_environment()
         self.set_world_ranks()
+        if self.global_rank != 0:
+            # Deprecation notices are the same on every rank: rank 0 says them once. Other warnings
+            # (which may concern one rank only) stay.
+            for category in (DeprecationWarning, FutureWarning):
+                warnings.filterwarnings("ignore", category=category)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         kwargs: dict[str, Any] = {"timeout": self._timeout}
@@ -270,7 +276,7 @@ class MoEStrategy(ParallelStrategy):
         )
         if trainer.state.fn == TrainerFn.FITTING:
             use_global_model_summary(trainer.callbacks)
-            self._add_expert_bias_updater(trainer)
+            add_expert_bias_updater(trainer.callbacks, self.model)
             if self._grad_sync is None:
                 # Manual optimization may run several backward passes before one step: reduce at
                 # the step (or on clipping / finish_grad_sync) instead of during backward.
@@ -289,22 +295,6 @@ class MoEStrategy(ParallelStrategy):
     @property
     def _grad_scaler(self):
         return getattr(self.precision_plugin, "scaler", None)  # 16-mixed
-
-    def _add_expert_bias_updater(self, trainer) -> None:
-        # Expert biases and the global aux loss need an end-of-global-batch update (reference
-        # sections 2.7, 2.5.3); add the callback unless the user passed one. Imported here so
-        # that strategies/ and callbacks/ may import each other's packages.
-        from lightning_moe.callbacks.expert_bias import ExpertBiasUpdater
-        from lightning_moe.parallel.expert_bias import needs_global_batch_updates
-
-        if any(isinstance(cb, ExpertBiasUpdater) for cb in trainer.callbacks):
-            return
-        if needs_global_batch_updates(self.model):
-            trainer.callbacks.append(ExpertBiasUpdater())
-            rank_zero_info(
-                "MoEStrategy: added the ExpertBiasUpdater callback (a router uses the expert bias or the "
-                "global aux loss); pass your own instance in Trainer(callbacks=...) to configure it."
-            )
 
     def model_to_device(self) -> None:
         """Move every remaining parameter and buffer to this rank's device."""
