@@ -1,7 +1,8 @@
 """`MoEConfig`: every setting of one MoE layer, validated when it is built.
 
 Each field's docstring names the Megatron Core flag it matches, so configurations move between
-the two. Attribute docstrings are what jsonargparse and LightningCLI show in ``--help``.
+the two. Attribute docstrings are what jsonargparse and LightningCLI show in ``--help``; they are
+copied into the class docstring for ``help(MoEConfig)`` (:func:`~lightning_moe.layers.field_docs.document_fields`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_moe.layers.activations import ACTIVATIONS
+from lightning_moe.layers.field_docs import document_fields
 
 __all__ = ["LOAD_BALANCING_TYPES", "SCORE_FUNCTIONS", "MoEConfig"]
 
@@ -18,6 +20,7 @@ DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 
 
+@document_fields
 @dataclass
 class MoEConfig:
     """Configuration of one Mixture-of-Experts layer (router, experts, shared expert, losses)."""

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.config import MoEConfig
+from lightning_moe.layers.field_docs import document_fields
 
 __all__ = ["MoETransformerConfig"]
 
 
+@document_fields
 @dataclass
 class MoETransformerConfig:
     """Configuration of a GPT-style decoder-only language model with Mixture-of-Experts FFNs.

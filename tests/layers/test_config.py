@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -209,3 +210,18 @@ def test_every_accepted_config_runs_forward_and_backward(kwargs, num_tokens):
     out = layer(x)
     out.sum().backward()
     assert out.shape == x.shape and bool(torch.isfinite(out).all()) and bool(torch.isfinite(x.grad).all())
+
+
+def test_help_shows_every_field_docstring():
+    """``help(MoEConfig)`` (pydoc) lists the fields with their docstrings, as --help and IDEs do."""
+    import pydoc
+
+    from lightning_moe.layers.field_docs import field_docstrings
+    from lightning_moe.models import MoETransformerConfig
+
+    for cls in (MoEConfig, MoETransformerConfig):
+        text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+        docs = field_docstrings(cls)
+        assert docs and set(docs) == {f.name for f in dataclasses.fields(cls)}
+        for name, doc in docs.items():
+            assert f"{name}: {doc.splitlines()[0]}" in text, name
