@@ -12,12 +12,18 @@ capture happens in the middle of an accumulation window without harm. Validation
 any batch of another shape run eagerly (counted per stage in :meth:`CUDAGraphCapture.stats`).
 The graphs are released, and the modules' own ``forward`` restored, at the end of ``fit``.
 
+Any model: ``attn`` captures the reference model's ``TransformerBlock`` attention only, the MoE
+scopes every ``lightning_moe.MoELayer`` (bare MoE layers in a user's own model included). A scope
+that finds nothing in the model (``attn`` on a model without ``TransformerBlock`` s) warns once,
+naming the scope and what it looks for, and is skipped; the others still capture. With
+``strict=True`` it raises ``ValueError`` instead.
+
 Device policy: the scope rules (:mod:`lightning_moe.graphs.scopes`) are checked against the real
 model at the start of every fit on every device, so an impossible configuration fails on a CPU
 dry run too (``ValueError`` naming scope and reason). Graphs themselves need CUDA: on any other
-device the callback warns once and leaves the model eager (the run continues), or raises
-``RuntimeError`` with ``strict=True``. ``emulate=True`` runs the capture/replay plumbing without
-CUDA graphs (for tests and debugging: no speed-up).
+device the callback warns once (rank 0) that it does nothing and leaves the model eager (the run
+continues), or raises ``RuntimeError`` with ``strict=True``. ``emulate=True`` runs the
+capture/replay plumbing without CUDA graphs (for tests and debugging: no speed-up).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_moe.graphs import CUDAGraphManager, find_targets, validate_scopes
+from lightning_moe.graphs import CUDAGraphManager, find_targets, missing_scopes, validate_scopes
 
 __all__ = ["CUDAGraphCapture"]
 
@@ -42,7 +48,8 @@ class CUDAGraphCapture(Callback):
         warmup_steps: eager training batches before capture (>= 1; the last one is recorded).
         num_warmup_iters: extra forward+backward runs of each stage on a side stream right before
             capture.
-        strict: raise instead of warning when the training device is not a CUDA GPU.
+        strict: raise instead of warning when a scope finds nothing in the model (``ValueError``)
+            or the training device is not a CUDA GPU (``RuntimeError``).
         emulate: run the plumbing without CUDA graphs on any device (tests, debugging).
     """
 
@@ -66,26 +73,50 @@ class CUDAGraphCapture(Callback):
         self.strict = strict
         self.emulate = emulate
         self.manager: CUDAGraphManager | None = None
+        self._warned: set[str] = set()
         self._batches = 0
         self._last_stats: dict[str, dict[str, int]] = {}
 
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
+
+    def _scopes_found(self, pl_module: LightningModule) -> tuple[str, ...]:
+        """The scopes that find something in ``pl_module``; the others warn once (or raise when strict)."""
+        missing = missing_scopes(pl_module, self.scopes)
+        kept = tuple(scope for scope in self.scopes if scope not in missing)
+        for scope, looks_for in missing.items():
+            message = (
+                f"CUDAGraphCapture: scope {scope!r} found nothing to capture in {type(pl_module).__name__}: "
+                f"{looks_for}."
+            )
+            if self.strict:
+                raise ValueError(f"{message} Drop {scope!r} from the scopes (raised because strict=True).")
+            left = f"kept scopes: {list(kept)}" if kept else "no scope is left, the model runs eagerly"
+            self._warn_once(f"missing:{scope}", f"{message} The scope is skipped; {left}.")
+        return kept
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Check the scope rules on the model, then stage it (CUDA, or ``emulate``)."""
-        find_targets(pl_module, self.scopes)
+        scopes = self._scopes_found(pl_module)
+        if not scopes:
+            return
+        find_targets(pl_module, scopes)
         device = trainer.strategy.root_device
         if device.type != "cuda" and not self.emulate:
             message = (
-                f"CUDAGraphCapture(scopes={list(self.scopes)}) needs a CUDA device but training runs on "
-                f"{device}; the model runs eagerly."
+                f"CUDAGraphCapture(scopes={list(scopes)}) does nothing on {device}: it needs a CUDA device but "
+                f"training runs on {device}; the model runs eagerly."
             )
             if self.strict:
                 raise RuntimeError(message + " Pass strict=False to continue without graphs.")
-            rank_zero_warn(message)
+            self._warn_once("device", message)
             return
         self._batches = 0
         self.manager = CUDAGraphManager(
             pl_module,
-            self.scopes,
+            scopes,
             num_warmup_iters=self.num_warmup_iters,
             backend="emulate" if self.emulate else "cuda",
         )

@@ -1,7 +1,8 @@
 """CUDA-graph capture of parts of every layer (no Lightning; ``callbacks.CUDAGraphCapture`` wraps it).
 
 * :mod:`~lightning_moe.graphs.scopes`: the scopes ``attn``, ``moe_router``, ``moe_preprocess``,
-  ``moe``, when each is legal (``ValueError`` naming scope and reason otherwise), and the staged
+  ``moe``, which modules each finds (``missing_scopes``), when each is legal (``ValueError``
+  naming scope and reason otherwise), and the staged
   forwards of ``TransformerBlock`` / ``MoELayer`` split at the scope boundaries.
 * :mod:`~lightning_moe.graphs.cuda_graph`: ``GraphedStage``, one captured part of one layer
   (static buffers, capture, replay under autograd, eager fallback), and why it is built on
@@ -16,6 +17,7 @@ from lightning_moe.graphs.scopes import (
     SCOPES,
     check_moe_layer,
     find_targets,
+    missing_scopes,
     static_routed_rows,
     validate_scopes,
 )
@@ -27,6 +29,7 @@ __all__ = [
     "GraphedStage",
     "check_moe_layer",
     "find_targets",
+    "missing_scopes",
     "static_routed_rows",
     "validate_scopes",
 ]

@@ -1,7 +1,7 @@
 """CUDA-graph scopes: their names, when each is legal, and the staged forwards they capture.
 
 A *scope* names a part of every transformer layer that is captured into one CUDA graph per layer
-(Megatron Core's ``cuda_graph_modules``, reference ``megatron-core-moe.md`` section 4.1):
+(Megatron Core's ``cuda_graph_modules``):
 
 ``attn``
     a :class:`~lightning_moe.models.TransformerBlock`'s ``x + attn(attn_norm(x))``: the attention
@@ -43,6 +43,13 @@ is not supported by ``lightning_moe.graphs`` yet. Activation offload and selecti
 and Python-side bookkeeping that a replay would not repeat); ``moe_act`` recompute, a flag of the
 expert kernel, is allowed.
 
+Which modules a scope finds: ``attn`` the reference model's ``TransformerBlock`` s only (its
+staged forward is that block's ``x + attn(attn_norm(x))``; a user's own attention module is not
+captured); the MoE scopes every ``lightning_moe.MoELayer``, inside a ``TransformerBlock`` (with its
+``ffn_norm``) or bare in any model. :func:`missing_scopes` tells which scopes find nothing in a
+model and what each looks for; :func:`find_targets` refuses them, ``CUDAGraphCapture`` skips
+them with a warning (``strict=True`` raises).
+
 The staged forwards below compute exactly what ``TransformerBlock.forward`` and
 ``MoELayer.forward`` compute, split at the scope boundaries; ``tests/graphs`` checks them against
 the modules' own forwards (outputs and every gradient) so the two cannot drift apart.
@@ -71,6 +78,7 @@ __all__ = [
     "check_moe_layer",
     "experts_forward",
     "find_targets",
+    "missing_scopes",
     "router_forward",
     "static_routed_rows",
     "validate_scopes",
@@ -247,33 +255,60 @@ class GraphTarget:
         return ffn if isinstance(ffn, MoELayer) else None
 
 
+_LOOKS_FOR = {
+    "attn": (
+        "it captures the attention of lightning_moe.models.TransformerBlock modules (the reference model's "
+        "blocks: x + attn(attn_norm(x))); a model's own attention modules are not captured"
+    ),
+    "moe_router": "it captures the router (and shared expert) of lightning_moe.MoELayer modules",
+    "moe_preprocess": "it captures the dispatch preprocessing of lightning_moe.MoELayer modules",
+    "moe": "it captures whole lightning_moe.MoELayer modules",
+}
+
+
+def missing_scopes(model: nn.Module, scopes: str | Iterable[str]) -> dict[str, str]:
+    """The (validated) ``scopes`` that find nothing to capture in ``model``, each with what it looks for.
+
+    ``attn`` needs a ``TransformerBlock``; the MoE scopes need an ``MoELayer`` (any, bare or in a
+    block). Returned in canonical scope order; empty when every scope finds something.
+    """
+    scopes = validate_scopes(scopes)
+    has_block = has_moe = False
+    for module in model.modules():
+        has_block = has_block or isinstance(module, TransformerBlock)
+        has_moe = has_moe or isinstance(module, MoELayer)
+    found = {"attn": has_block, "moe_router": has_moe, "moe_preprocess": has_moe, "moe": has_moe}
+    return {scope: _LOOKS_FOR[scope] for scope in scopes if not found[scope]}
+
+
 def find_targets(model: nn.Module, scopes: Sequence[str]) -> list[GraphTarget]:
     """The modules of ``model`` the (validated) ``scopes`` apply to, after checking every rule.
 
     ``TransformerBlock`` s of the reference model take every scope (MoE scopes only where their
     ``ffn`` is an ``MoELayer``); an ``MoELayer`` outside such a block takes the MoE scopes (no
     norm is captured then: it is the caller's). Raises ``ValueError`` when a scope finds nothing
-    to capture or is illegal on some layer (see the module docstring).
+    to capture (drop it, see :func:`missing_scopes`) or is illegal on some layer (see the module
+    docstring).
     """
     scopes = validate_scopes(scopes)
-    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, TransformerBlock)]
-    in_blocks = {id(block.ffn) for _, block in blocks}
-    bare = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in in_blocks]
-    moe_scopes = tuple(s for s in scopes if s in _MOE_SCOPES)
-    if "attn" in scopes and not blocks:
+    missing = missing_scopes(model, scopes)
+    if "attn" in missing:
         raise ValueError(
             "Scope 'attn' found no lightning_moe.models.TransformerBlock in the model: attention graphs are "
             "defined for the reference model's blocks. Drop 'attn' or build the model from TransformerBlocks."
         )
+    if missing:
+        raise ValueError(f"Scope(s) {list(missing)} found no MoELayer in the model; drop them.")
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, TransformerBlock)]
+    in_blocks = {id(block.ffn) for _, block in blocks}
+    bare = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in in_blocks]
+    moe_scopes = tuple(s for s in scopes if s in _MOE_SCOPES)
     targets: list[GraphTarget] = []
     for name, block in blocks:
         own = tuple(s for s in scopes if s == "attn" or isinstance(block.ffn, MoELayer))
         if own:
             targets.append(GraphTarget(name, block, own))
     targets += [GraphTarget(name, layer, moe_scopes) for name, layer in bare if moe_scopes]
-    moe_targets = [t for t in targets if t.moe is not None and any(s in t.scopes for s in _MOE_SCOPES)]
-    if moe_scopes and not moe_targets:
-        raise ValueError(f"Scope(s) {list(moe_scopes)} found no MoELayer in the model; drop them.")
     for target in targets:
         if target.moe is not None:
             check_moe_layer(target.moe, target.scopes, target.name or "the model")
