@@ -10,22 +10,36 @@ removes the boundaries in ``teardown``::
 Names: ``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj``, ``mlp_norm``,
 ``expert_fc1``, ``moe_act`` (see :mod:`lightning_moe.memory.offload`). On a CPU-only run the
 same code path copies host to host: correct, but it saves no memory, and the callback warns once.
+
+On your own model (no reference-model names), name the modules of the attention-side names with
+``targets``: module types or qualified-name patterns (``*`` within one name component, matched
+against the end of the qualified name)::
+
+    ActivationOffload(
+        modules=["attn_norm", "qkv_linear", "attn_proj", "expert_fc1"],
+        targets={"attn_norm": ["blocks.*.norm1"], "qkv_linear": ["attn.qkv"], "attn_proj": ["attn.proj"]},
+    )
+
+A name that matches nothing warns once (rank 0), naming it and what it looks for, and installs
+nothing; ``strict=True`` raises ``ValueError`` instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_moe.memory.handles import ModuleSpec
 from lightning_moe.memory.offload import (
     ActivationOffloader,
     OffloadHandle,
     OffloadStats,
     apply_activation_offload,
     check_offload_modules,
+    check_offload_targets,
 )
 
 __all__ = ["ActivationOffload"]
@@ -37,15 +51,28 @@ class ActivationOffload(Callback):
     Args:
         modules: boundary names from :data:`lightning_moe.memory.OFFLOAD_MODULES`.
         min_tensor_bytes: storages smaller than this stay on the device.
+        targets: for ``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj`` and ``mlp_norm``,
+            the user's own modules instead of the default rule: a list of ``nn.Module`` types
+            and/or qualified-name patterns per name, e.g. ``{"attn_norm": [torch.nn.LayerNorm]}``.
+            Each module takes one boundary.
+        strict: raise ``ValueError`` instead of warning when a name matches no module.
     """
 
-    def __init__(self, modules: Sequence[str] = ("expert_fc1",), min_tensor_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        modules: Sequence[str] = ("expert_fc1",),
+        min_tensor_bytes: int = 1 << 20,
+        targets: Mapping[str, ModuleSpec | Sequence[ModuleSpec]] | None = None,
+        strict: bool = False,
+    ) -> None:
         self.modules = check_offload_modules(modules)
+        self.targets = check_offload_targets(targets, self.modules)
         if min_tensor_bytes < 0:
             raise ValueError(f"min_tensor_bytes must be >= 0, got {min_tensor_bytes}.")
         self.min_tensor_bytes = min_tensor_bytes
+        self.strict = strict
         self._handle: OffloadHandle | None = None
-        self._warned = False
+        self._warned: set[str] = set()
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -57,24 +84,44 @@ class ActivationOffload(Callback):
         """Bytes and groups moved so far (None before ``fit``)."""
         return None if self._handle is None else self._handle.offloader.stats
 
+    @property
+    def applied(self) -> dict[str, list[str]]:
+        """For each name, its boundaries (qualified module names; empty before ``fit``)."""
+        return {} if self._handle is None else dict(self._handle.modules)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(message)
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Install the boundaries on ``pl_module``; warn (or raise with ``strict``) for unmatched names."""
         if self._handle is not None:
             return
         device = pl_module.device
-        self._handle = apply_activation_offload(pl_module, self.modules, self.min_tensor_bytes,
-                                                ActivationOffloader(device, self.min_tensor_bytes))
-        if device.type == "cpu" and not self._warned:
-            self._warned = True
-            rank_zero_warn(
+        handle = apply_activation_offload(pl_module, self.modules, self.min_tensor_bytes,
+                                          ActivationOffloader(device, self.min_tensor_bytes), self.targets)
+        message = handle.unmatched_message("ActivationOffload", type(pl_module).__name__)
+        if message is not None and self.strict:
+            handle.remove()
+            raise ValueError(f"{message} Raised because strict=True.")
+        self._handle = handle
+        if message is not None:
+            self._warn_once("unmatched", message)
+        if device.type == "cpu":
+            self._warn_once(
+                "cpu",
                 "ActivationOffload on a CPU-only run saves no memory: activations are copied host to "
-                "host (the logic runs, nothing is freed). Train on a GPU to offload to pinned host memory."
+                "host (the logic runs, nothing is freed). Train on a GPU to offload to pinned host memory.",
             )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        """Start a new offload micro-batch."""
         if self._handle is not None:
             self._handle.offloader.start_microbatch()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Remove every boundary."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

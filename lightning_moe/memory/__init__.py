@@ -5,8 +5,14 @@
   router side effects recorded once per micro-batch.
 * :func:`apply_activation_offload` — fine-grained activation offload of named boundaries
   (``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj``, ``mlp_norm``, ``expert_fc1``,
-  ``moe_act``) to pinned host memory on side CUDA streams.
+  ``moe_act``) to pinned host memory on side CUDA streams (the mechanics:
+  :mod:`~lightning_moe.memory.offloader`).
 * :class:`SavedTensorCounter` — exact saved-activation bytes with saved-tensor hooks.
+
+Both find their modules by the package's layer types and the reference model's names; on a
+user's own model, ``targets=`` names its modules for the attention-side names (module types or
+qualified-name patterns, :mod:`~lightning_moe.memory.handles`), and names that match nothing are
+reported (``handle.unmatched_message``) or refused with ``strict=True``.
 
 The Lightning callbacks ``lightning_moe.callbacks.SelectiveRecompute`` and ``ActivationOffload``
 apply these to a LightningModule.

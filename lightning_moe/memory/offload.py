@@ -1,7 +1,7 @@
 """Fine-grained activation offload: saved activations of chosen module boundaries go to host memory.
 
-Reference: ``megatron-core-moe.md`` sections 1.9 and 4.2 (``fine_grained_activation_offloading``).
-:func:`apply_activation_offload` installs saved-tensor hooks at module boundaries of a built model:
+Megatron Core's ``fine_grained_activation_offloading``. :func:`apply_activation_offload`
+installs saved-tensor hooks at module boundaries of a built model; by default each name matches:
 
 ===============  ===================================  =================================================
 name             boundary (reference model names)     tensors
@@ -16,59 +16,71 @@ name             boundary (reference model names)     tensors
                                                       recomputed) the activation output
 ===============  ===================================  =================================================
 
-Parameters (and views of them, e.g. ``nn.Linear``'s transposed weight), tensors of other
-devices, tensor subclasses and storages smaller than ``min_tensor_bytes`` stay where they are
-(and reach the enclosing saved-tensor hooks).
+A user's own model names its own modules for the attention-side names (``attn_norm``,
+``qkv_linear``, ``core_attn``, ``attn_proj``, ``mlp_norm``) with ``targets`` (module types or
+qualified-name patterns, see :mod:`lightning_moe.memory.handles`), e.g.
+``targets={"attn_norm": ["norm1"], "qkv_linear": ["attn.qkv"], "mlp_norm": ["blocks.*.norm2"]}``;
+the ``targets`` of a name replace its default rule. ``qkv_linear`` targets that share a parent
+module (separate q, k, v projections) form one boundary, as the reference model's do. The expert
+names are found by the package's ``GroupedExperts`` type. Each module takes at most one boundary.
+A name that matches nothing installs nothing (``strict=True`` raises instead).
 
-Mechanics (one micro-batch in flight at a time, as without pipeline parallelism):
+Parameters, tensors of other devices, tensor subclasses and storages smaller than
+``min_tensor_bytes`` stay where they are. How groups move (deferred copies on side streams, the
+warm-up rule that keeps the last group of each name, one group of look-ahead in backward) is
+described in :mod:`lightning_moe.memory.offloader`.
 
-* Forward: everything a boundary saves is one *group*. A group's copy to host starts when the
-  next group of the same name begins (the boundary one layer later): on CUDA on a side stream
-  that first waits for the compute stream, into pinned host buffers, then an event is recorded
-  and the device references are dropped (``record_stream`` keeps the caching allocator from
-  reusing the memory before the copy has read it).
-* The warm-up rule of Megatron Core (keep on the device, for each name, the group needed first
-  in backward, i.e. the last one produced in forward, so the first reload never stalls) falls
-  out of that deferral: when backward starts, the last group of each name has not been
-  offloaded and stays. Megatron learns the same set in a warm-up iteration; here it holds from
-  the first step on, with the same peak memory.
-* Backward: when a group's tensors are first needed, the compute stream waits for its reload
-  (issued earlier, or now) and the reload of the next offloaded group in backward order (the
-  previous one in forward order) is started on a second side stream: one group of look-ahead.
-* On CPU the same code runs with synchronous host-to-host copies; it moves the bytes (so the
-  logic is tested) but saves nothing.
-
-A new micro-batch starts when a boundary runs after backward began, or at
-:meth:`ActivationOffloader.start_microbatch` (the Lightning callback calls it every batch).
 Offloading inside a module that is recomputed with a standard checkpoint is refused (the
 recomputed region keeps no activations; Megatron Core does not combine them either).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_moe.layers.experts import GroupedExperts
-from lightning_moe.memory.handles import AppliedHandle, check_module_names
+from lightning_moe.memory.handles import (
+    AppliedHandle,
+    ModuleSpec,
+    check_module_names,
+    check_targets,
+    describe_specs,
+    find_modules,
+)
+from lightning_moe.memory.offloader import ActivationOffloader, OffloadStats, _Boundary
 from lightning_moe.memory.recompute import _STANDARD, OFFLOAD_MARK, RECOMPUTE_MARK
-from lightning_moe.memory.saved_tensors import NOT_HANDLED, chained_saved_tensors_hooks, storage_of
 
 __all__ = [
+    "OFFLOAD_DEFAULT_TARGETS",
     "OFFLOAD_MODULES",
+    "OFFLOAD_TARGETABLE",
     "ActivationOffloader",
     "OffloadHandle",
     "OffloadStats",
     "apply_activation_offload",
     "check_offload_modules",
+    "check_offload_targets",
 ]
 
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 """Boundary names accepted by :func:`apply_activation_offload` (Megatron's ``offload_modules``)."""
+
+OFFLOAD_TARGETABLE = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+"""Names whose modules a user's model can name itself (``targets``); the expert names are found by type."""
+
+OFFLOAD_DEFAULT_TARGETS = {
+    "attn_norm": "modules named attn_norm",
+    "qkv_linear": "the q_proj / k_proj / v_proj of modules named attn",
+    "core_attn": "modules named core_attn inside modules named attn",
+    "attn_proj": "modules named o_proj inside modules named attn",
+    "mlp_norm": "modules named ffn_norm",
+    "expert_fc1": "lightning_moe GroupedExperts modules (the experts of every MoELayer)",
+    "moe_act": "lightning_moe GroupedExperts modules (the experts of every MoELayer)",
+}
+"""What each name matches without ``targets`` (the text of the unmatched-name warning)."""
 
 _EXPERT_KINDS = ("expert_fc1", "moe_act")
 _SUFFIXES = {
@@ -81,316 +93,26 @@ _SUFFIXES = {
 
 
 @dataclass
-class OffloadStats:
-    """Cumulative counters of an :class:`ActivationOffloader` (reset with :meth:`reset`)."""
-
-    offloaded_bytes: int = 0
-    reloaded_bytes: int = 0
-    offloaded_groups: int = 0
-    kept_groups: int = 0
-    """Groups left on the device by the warm-up rule (the last of each name in forward)."""
-    reloads_on_demand: int = 0
-    """Reloads started only when backward needed the group (not prefetched one group ahead);
-    the warm-up rule keeps this at zero for a regular layer stack."""
-    offloaded_bytes_by_name: dict[str, int] = field(default_factory=dict)
-
-    def reset(self) -> None:
-        """Zero every counter."""
-        self.offloaded_bytes = self.reloaded_bytes = self.offloaded_groups = self.kept_groups = 0
-        self.reloads_on_demand = 0
-        self.offloaded_bytes_by_name = {}
-
-
-class _Entry:
-    """One storage of a group: on the device, on the host, or back."""
-
-    __slots__ = ("device", "host", "nbytes", "storage")
-
-    def __init__(self, storage: torch.UntypedStorage, device_bytes: Tensor) -> None:
-        self.storage: torch.UntypedStorage | None = storage  # keeps id(storage) unique while grouping
-        self.device: Tensor | None = device_bytes  # uint8 view of the whole storage
-        self.host: Tensor | None = None
-        self.nbytes = storage.nbytes()
-
-
-class _MicroBatch:
-    def __init__(self) -> None:
-        self.order: list[weakref.ref] = []
-        self.pending: dict[str, _Group] = {}
-        self.current: _Group | None = None
-        self.backward = False
-
-
-class _Group:
-    """Everything one boundary saved in one forward call."""
-
-    def __init__(self, name: str, key: str, index: int, microbatch: _MicroBatch) -> None:
-        self.name, self.key, self.index = name, key, index
-        self.microbatch = microbatch
-        self.entries: list[_Entry] = []
-        self.by_storage: dict[int, _Entry] = {}
-        self.state = "device"  # device -> offloaded -> reloading -> device
-        self.event = None
-        self.prefetched = False
-
-    def add(self, storage: torch.UntypedStorage) -> _Entry:
-        entry = self.by_storage.get(id(storage))
-        if entry is None:
-            device_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            entry = self.by_storage[id(storage)] = _Entry(storage, device_bytes)
-            self.entries.append(entry)
-        return entry
-
-
-@dataclass
-class _Handle:
-    """What autograd keeps for an offloadable saved tensor."""
-
-    group: _Group
-    entry: _Entry
-    dtype: torch.dtype
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-class ActivationOffloader:
-    """Moves saved activations of named boundaries to host memory and back (see the module docstring).
-
-    Args:
-        device: the device whose activations are offloaded (default: CUDA if available, else CPU).
-        min_tensor_bytes: storages smaller than this stay on the device (Megatron's
-            ``min_offloaded_tensor_size``, 1M elements, is 2 MiB in bf16).
-    """
-
-    def __init__(self, device: torch.device | str | None = None, min_tensor_bytes: int = 1 << 20) -> None:
-        if min_tensor_bytes < 0:
-            raise ValueError(f"min_tensor_bytes must be >= 0, got {min_tensor_bytes}.")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        self.min_tensor_bytes = min_tensor_bytes
-        self.stats = OffloadStats()
-        self._cuda = self.device.type == "cuda"
-        self._d2h_stream = None
-        self._h2d_stream = None
-        self._microbatch = _MicroBatch()
-
-    # ----------------------------------------------------------------------------- public API
-
-    def start_microbatch(self) -> None:
-        """Begin a new micro-batch: groups of the last one that are still pending stay on the device."""
-        self._microbatch = _MicroBatch()
-
-    def boundary(self, key: str, name: str | None, names: Sequence[str] = ()) -> _Boundary:
-        """A saved-tensor hooks context for the boundary ``key`` (e.g. ``layers.0.attn_norm``).
-
-        ``name`` is the offload name every eligible tensor saved inside belongs to; ``names``
-        the names accepted from tensors tagged by the module (``tag``), see :class:`GroupedExperts`.
-        """
-        return _Boundary(self, key, name, tuple(names))
-
-    @property
-    def streams(self) -> tuple:
-        """``(device-to-host, host-to-device)`` CUDA streams (None on CPU or before first use)."""
-        return self._d2h_stream, self._h2d_stream
-
-    # ------------------------------------------------------------------------------- forward
-
-    def _eligible(self, tensor: Tensor, storage: torch.UntypedStorage | None) -> bool:
-        base = tensor if tensor._base is None else tensor._base
-        if base.is_leaf and base.requires_grad:
-            return False  # parameters (and views such as linear's weight.t()): not activations
-        return (
-            storage is not None
-            and type(tensor) is Tensor
-            and tensor.layout == torch.strided
-            and tensor.device.type == self.device.type
-            and storage.nbytes() >= max(self.min_tensor_bytes, 1)
-        )
-
-    def _group_for(self, key: str, name: str) -> _Group:
-        microbatch = self._microbatch
-        if microbatch.backward:
-            microbatch = self._microbatch = _MicroBatch()
-        group = microbatch.current
-        if group is not None and group.key == key and group.name == name:
-            return group
-        if group is not None:
-            microbatch.pending[group.name] = group
-        previous = microbatch.pending.pop(name, None)
-        if previous is not None:
-            self._offload(previous)
-        group = _Group(name, key, len(microbatch.order), microbatch)
-        microbatch.order.append(weakref.ref(group))
-        microbatch.current = group
-        return group
-
-    def _pack(self, tensor: Tensor, key: str, name: str) -> object:
-        storage = storage_of(tensor)
-        if not self._eligible(tensor, storage):
-            return NOT_HANDLED
-        group = self._group_for(key, name)
-        entry = group.add(storage)
-        return _Handle(group, entry, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
-
-    def _offload(self, group: _Group) -> None:
-        for entry in group.entries:
-            entry.storage = None
-        if not group.entries:
-            return
-        if self._cuda:
-            if self._d2h_stream is None:
-                self._d2h_stream = torch.cuda.Stream(self.device)
-            stream = self._d2h_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for entry in group.entries:
-                    entry.host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
-                    entry.host.copy_(entry.device, non_blocking=True)
-                    entry.device.record_stream(stream)
-                    entry.device = None
-                group.event = torch.cuda.Event()
-                group.event.record(stream)
-        else:
-            for entry in group.entries:
-                entry.host = entry.device.clone()  # synchronous: the logic of the CUDA path, no saving
-                entry.device = None
-        group.state = "offloaded"
-        nbytes = sum(entry.nbytes for entry in group.entries)
-        stats = self.stats
-        stats.offloaded_bytes += nbytes
-        stats.offloaded_groups += 1
-        stats.offloaded_bytes_by_name[group.name] = stats.offloaded_bytes_by_name.get(group.name, 0) + nbytes
-
-    # ------------------------------------------------------------------------------ backward
-
-    def _begin_backward(self, microbatch: _MicroBatch) -> None:
-        if microbatch.current is not None:
-            microbatch.pending[microbatch.current.name] = microbatch.current
-            microbatch.current = None
-        for group in microbatch.pending.values():
-            for entry in group.entries:
-                entry.storage = None
-        self.stats.kept_groups += sum(1 for g in microbatch.pending.values() if g.entries)
-        microbatch.pending = {}
-        microbatch.backward = True
-
-    def _reload(self, group: _Group) -> None:
-        if self._cuda:
-            if self._h2d_stream is None:
-                self._h2d_stream = torch.cuda.Stream(self.device)
-            stream = self._h2d_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            stream.wait_event(group.event)
-            with torch.cuda.stream(stream):
-                for entry in group.entries:
-                    entry.device = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-                    entry.device.copy_(entry.host, non_blocking=True)
-                group.event = torch.cuda.Event()
-                group.event.record(stream)
-        else:
-            for entry in group.entries:
-                entry.device = entry.host.clone()
-        group.state = "reloading"
-        self.stats.reloaded_bytes += sum(entry.nbytes for entry in group.entries)
-
-    def _wait(self, group: _Group) -> None:
-        if self._cuda:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(group.event)
-            for entry in group.entries:
-                entry.device.record_stream(current)  # allocated on the reload stream, used here
-        for entry in group.entries:
-            entry.host = None  # pinned blocks return to torch's host cache after their copies
-        group.state = "device"
-
-    def _prefetch_before(self, group: _Group) -> None:
-        if group.prefetched:
-            return
-        group.prefetched = True
-        order = group.microbatch.order
-        for index in range(group.index - 1, -1, -1):
-            earlier = order[index]()
-            if earlier is not None and earlier.state == "offloaded":
-                self._reload(earlier)
-                return
-
-    def _unpack(self, handle: _Handle) -> Tensor:
-        group = handle.group
-        if not group.microbatch.backward:
-            self._begin_backward(group.microbatch)
-        if group.state == "offloaded":
-            self.stats.reloads_on_demand += 1
-            self._reload(group)
-        if group.state == "reloading":
-            self._wait(group)
-        self._prefetch_before(group)
-        device_bytes = handle.entry.device
-        view = torch.empty(0, dtype=handle.dtype, device=device_bytes.device)
-        return view.set_(device_bytes.untyped_storage(), handle.offset, handle.size, handle.stride)
-
-
-class _Boundary:
-    """Forward pre/post hooks (or a ``with`` block) that route a boundary's saved tensors to the offloader."""
-
-    def __init__(self, offloader: ActivationOffloader, key: str, name: str | None, names: tuple[str, ...]):
-        self.offloader, self.key, self.name, self.names = offloader, key, name, names
-        self._frames: list[dict[int, tuple[str | None, torch.UntypedStorage]]] = []
-        self._hooks: list = []
-
-    def tag(self, name: str | None, tensors: Sequence[Tensor]) -> None:
-        """Record that ``tensors`` (their storages) belong to boundary ``name`` (None: never offloaded)."""
-        if not self._frames:
-            return
-        tags = self._frames[-1]
-        for tensor in tensors:
-            storage = storage_of(tensor)
-            if storage is not None:
-                tags.setdefault(id(storage), (name, storage))
-
-    def _pack(self, tensor: Tensor) -> object:
-        name = self.name
-        if self._frames:
-            storage = storage_of(tensor)
-            tagged = self._frames[-1].get(id(storage)) if storage is not None else None
-            if tagged is not None:
-                name = tagged[0] if tagged[0] in self.names else None
-        if name is None:
-            return NOT_HANDLED
-        return self.offloader._pack(tensor, self.key, name)
-
-    def enter(self, *args: object) -> None:
-        """Start the boundary (a forward pre-hook's signature is accepted)."""
-        self._frames.append({})
-        hooks = chained_saved_tensors_hooks(self._pack, self.offloader._unpack)
-        hooks.__enter__()
-        self._hooks.append(hooks)
-
-    def exit(self, *args: object) -> None:
-        """End the boundary (a forward hook's signature is accepted)."""
-        self._hooks.pop().__exit__(None, None, None)
-        self._frames.pop()
-
-    def __enter__(self) -> _Boundary:
-        self.enter()
-        return self
-
-    def __exit__(self, *args: object) -> None:
-        self.exit()
-
-
-@dataclass
 class OffloadHandle(AppliedHandle):
     """What :func:`apply_activation_offload` installed; :meth:`remove` undoes it (the offloader and
     its statistics stay usable). ``modules`` maps each requested name to its boundaries."""
 
     offloader: ActivationOffloader | None = None
 
+    verb = "offloaded"
+    customizable = OFFLOAD_TARGETABLE
+
 
 def check_offload_modules(modules: Sequence[str]) -> list[str]:
     """The names in ``modules`` without duplicates; ``ValueError`` naming the valid ones otherwise."""
     return check_module_names(modules, OFFLOAD_MODULES, "offload")
+
+
+def check_offload_targets(
+    targets: Mapping[str, ModuleSpec | Sequence[ModuleSpec]] | None, modules: Sequence[str]
+) -> dict[str, tuple[ModuleSpec, ...]]:
+    """``targets`` checked against the requested ``modules`` (see :func:`~lightning_moe.memory.handles.check_targets`)."""
+    return check_targets(targets, modules, OFFLOAD_MODULES, OFFLOAD_TARGETABLE, "offload")
 
 
 def _check_not_recomputed(model: nn.Module, name: str, boundary: str) -> None:
@@ -407,11 +129,13 @@ def _check_not_recomputed(model: nn.Module, name: str, boundary: str) -> None:
             )
 
 
-def _install(module: nn.Module, boundary: _Boundary, mark: str) -> Callable[[], None]:
-    if getattr(module, OFFLOAD_MARK, None) is not None:
+def _install(module: nn.Module, boundary: _Boundary, mark: str, name: str) -> Callable[[], None]:
+    existing = getattr(module, OFFLOAD_MARK, None)
+    if existing is not None:
         raise ValueError(
-            f"{type(module).__name__} already has an activation offload boundary "
-            f"({getattr(module, OFFLOAD_MARK)!r}); remove the earlier ActivationOffload first."
+            f"{name or 'the model'} ({type(module).__name__}) already has an activation offload boundary "
+            f"({existing!r}); cannot add {mark!r}: a module takes one boundary. Remove the earlier "
+            "ActivationOffload first, or give targets that match each module under one name only."
         )
     handles = [
         module.register_forward_pre_hook(boundary.enter),
@@ -432,48 +156,59 @@ def apply_activation_offload(
     modules: Sequence[str],
     min_tensor_bytes: int = 1 << 20,
     offloader: ActivationOffloader | None = None,
+    targets: Mapping[str, ModuleSpec | Sequence[ModuleSpec]] | None = None,
+    strict: bool = False,
 ) -> OffloadHandle:
     """Offload the saved activations of the ``modules`` boundaries (names of :data:`OFFLOAD_MODULES`).
 
-    The offloader's device defaults to that of the model's first parameter. Raises
-    ``ValueError`` for unknown names and for boundaries inside a module recomputed with a
-    standard checkpoint (``moe``, ``attention``, ...).
+    ``targets`` names a user's own modules for the attention-side names: a list of module types
+    or qualified-name patterns per name, replacing its default rule (module docstring). A name
+    that matches no module is recorded with an empty list in ``handle.modules``
+    (``handle.unmatched_message`` explains it), or raises ``ValueError`` with ``strict=True``
+    before anything is installed. The offloader's device defaults to that of the model's first
+    parameter. Raises ``ValueError`` for unknown names or targets, for a module given two
+    boundaries, and for boundaries inside a module recomputed with a standard checkpoint
+    (``moe``, ``attention``, ...).
     """
     kinds = check_offload_modules(modules)
+    custom = check_offload_targets(targets, kinds)
+    expert_kinds = [kind for kind in kinds if kind in _EXPERT_KINDS]
+    experts = [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)] if expert_kinds else []
+    found = {kind: find_modules(model, custom.get(kind, _SUFFIXES[kind])) for kind in kinds if kind in _SUFFIXES}
     if offloader is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else None
         offloader = ActivationOffloader(device, min_tensor_bytes)
     handle = OffloadHandle(offloader=offloader)
+    for kind in kinds:
+        matched = [name for name, _ in found.get(kind, experts)]
+        if kind == "qkv_linear":  # q, k and v of one parent are one boundary
+            matched = list(dict.fromkeys(_qkv_key(name) for name in matched))
+        handle.modules[kind] = matched
+        handle.looked_for[kind] = describe_specs(custom[kind]) if kind in custom else OFFLOAD_DEFAULT_TARGETS[kind]
+    message = handle.unmatched_message("apply_activation_offload", type(model).__name__) if strict else None
+    if message is not None:
+        raise ValueError(f"{message} Raised because strict=True.")
     try:
-        for kind in kinds:
-            handle.modules[kind] = []
-        expert_kinds = [kind for kind in kinds if kind in _EXPERT_KINDS]
-        for name, module in model.named_modules():
-            if expert_kinds and isinstance(module, GroupedExperts):
-                for kind in expert_kinds:
-                    _check_not_recomputed(model, name, kind)
-                    handle.modules[kind].append(name)
-                boundary = offloader.boundary(name, "moe_act" if "moe_act" in expert_kinds else None, expert_kinds)
-                handle._undo.append(_install(module, boundary, "+".join(expert_kinds)))
-                handle._undo.append(_set_tagger(module, boundary.tag))
-                continue
-            for kind, suffixes in _SUFFIXES.items():
-                if kind not in kinds or not any(name == s or name.endswith("." + s) for s in suffixes):
-                    continue
+        for name, module in experts:
+            for kind in expert_kinds:
                 _check_not_recomputed(model, name, kind)
-                if kind == "qkv_linear":
-                    key = name.rsplit(".", 1)[0] + ".qkv_linear"
-                    if key not in handle.modules[kind]:
-                        handle.modules[kind].append(key)
-                else:
-                    key = name
-                    handle.modules[kind].append(name)
-                handle._undo.append(_install(module, offloader.boundary(key, kind), kind))
+            boundary = offloader.boundary(name, "moe_act" if "moe_act" in expert_kinds else None, expert_kinds)
+            handle._undo.append(_install(module, boundary, "+".join(expert_kinds), name))
+            handle._undo.append(_set_tagger(module, boundary.tag))
+        for kind, matches in found.items():
+            for name, module in matches:
+                _check_not_recomputed(model, name, kind)
+                key = _qkv_key(name) if kind == "qkv_linear" else name
+                handle._undo.append(_install(module, offloader.boundary(key, kind), kind, name))
     except Exception:
         handle.remove()
         raise
     return handle
+
+
+def _qkv_key(name: str) -> str:
+    return (name.rsplit(".", 1)[0] + "." if "." in name else "") + "qkv_linear"
 
 
 def _set_tagger(experts: GroupedExperts, tag: Callable) -> Callable[[], None]:

@@ -1,7 +1,7 @@
 """Selective (fine-grained) activation recompute, Megatron Core's ``recompute_modules``.
 
-Reference: ``megatron-core-moe.md`` sections 1.9 and 4.3. :func:`apply_selective_recompute`
-changes modules of a built model in place (and :class:`RecomputeHandle.remove` undoes it):
+:func:`apply_selective_recompute` changes modules of a built model in place (and
+:class:`RecomputeHandle.remove` undoes it). By default each name matches:
 
 ==================  ==========================================  ====================================
 name                modules (reference model names)             how
@@ -18,11 +18,17 @@ name                modules (reference model names)             how
 ``moe``             every ``MoELayer`` (dispatch included)      standard checkpoint
 ==================  ==========================================  ====================================
 
+A user's own model names its own modules for ``layernorm``, ``core_attn`` and ``attention``
+with ``targets`` (module types or qualified-name patterns, see :mod:`lightning_moe.memory.handles`),
+e.g. ``targets={"layernorm": [torch.nn.LayerNorm], "attention": ["blocks.*.attn"]}``; the
+``targets`` of a name replace its default rule. The other names are found by the package's MoE
+layer types. A name that matches nothing changes nothing (``strict=True`` raises instead).
+
 Standard checkpoint: ``torch.utils.checkpoint`` (non-reentrant) around the module's ``forward``,
 installed as an instance attribute, so ``module(x)`` still runs the module's forward hooks
 (tensor parallelism puts its input/output conversions there) outside the recomputed region.
 
-Side effects once per micro-batch (DESIGN.md rule 5): the non-reentrant checkpoint recomputes
+Side effects once per micro-batch: the non-reentrant checkpoint recomputes
 with grad enabled, so a router's ``self.training and torch.is_grad_enabled()`` guard does not
 stop the recomputation from counting tokens and logging losses a second time. The checkpoint
 therefore snapshots the module's buffers when the forward starts and, while recomputing, puts
@@ -34,8 +40,8 @@ exactly once, during the forward, where the consumers read them.
 Output discarding (Megatron's ``CheckpointWithoutOutput``): the norm runs without saving its
 own intermediates and keeps only its input; the tensors the following layers save *as their
 input* (the norm output, which those layers would otherwise keep) are replaced by a reference
-to the recomputation while the enclosing module (the transformer block) runs, so the output's
-memory is released when the block's forward returns. In backward the first layer that needs the
+to the recomputation while the enclosing module (the norm's parent by qualified name, e.g. the
+transformer block) runs, so the output's memory is released when that module's forward returns. In backward the first layer that needs the
 output recomputes it (once, with grad), and the norm's backward reuses that recomputation.
 """
 
@@ -44,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,21 +60,45 @@ from torch.utils.checkpoint import checkpoint
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import TopKRouter
-from lightning_moe.memory.handles import AppliedHandle, check_module_names
+from lightning_moe.memory.handles import (
+    AppliedHandle,
+    ModuleSpec,
+    check_module_names,
+    check_targets,
+    describe_specs,
+    find_modules,
+)
 from lightning_moe.memory.saved_tensors import NOT_HANDLED, chained_saved_tensors_hooks, storage_of
 from lightning_moe.models.attention import Attention, CoreAttention
 
 __all__ = [
+    "RECOMPUTE_DEFAULT_TARGETS",
     "RECOMPUTE_MODULES",
+    "RECOMPUTE_TARGETABLE",
     "RecomputeHandle",
     "apply_selective_recompute",
     "check_recompute_modules",
+    "check_recompute_targets",
     "checkpoint_module",
     "discard_output",
 ]
 
 RECOMPUTE_MODULES = ("moe_act", "layernorm", "shared_experts", "router", "core_attn", "attention", "moe")
 """Names accepted by :func:`apply_selective_recompute` (Megatron's ``recompute_modules``)."""
+
+RECOMPUTE_TARGETABLE = ("layernorm", "core_attn", "attention")
+"""Names whose modules a user's model can name itself (``targets``); the rest are the package's MoE layers."""
+
+RECOMPUTE_DEFAULT_TARGETS = {
+    "moe_act": "lightning_moe GroupedExperts modules (the experts of every MoELayer)",
+    "layernorm": "norms named attn_norm / ffn_norm (the reference TransformerBlock's names)",
+    "shared_experts": "the shared_expert of MoELayers built with shared_expert_ffn_hidden_size",
+    "router": "lightning_moe TopKRouter modules (MoELayer.router)",
+    "core_attn": "lightning_moe.models.CoreAttention modules",
+    "attention": "lightning_moe.models.Attention modules",
+    "moe": "lightning_moe.MoELayer modules",
+}
+"""What each name matches without ``targets`` (the text of the unmatched-name warning)."""
 
 _NORM_NAMES = ("attn_norm", "ffn_norm")
 _STANDARD = ("shared_experts", "router", "core_attn", "attention", "moe")
@@ -339,10 +369,20 @@ def discard_output(module: nn.Module, scope: _DiscardScope) -> Callable[[], None
 class RecomputeHandle(AppliedHandle):
     """What :func:`apply_selective_recompute` changed; :meth:`remove` restores every module."""
 
+    verb = "recomputed"
+    customizable = RECOMPUTE_TARGETABLE
+
 
 def check_recompute_modules(modules: Sequence[str]) -> list[str]:
     """The names in ``modules`` without duplicates; ``ValueError`` naming the valid ones otherwise."""
     return check_module_names(modules, RECOMPUTE_MODULES, "recompute")
+
+
+def check_recompute_targets(
+    targets: Mapping[str, ModuleSpec | Sequence[ModuleSpec]] | None, modules: Sequence[str]
+) -> dict[str, tuple[ModuleSpec, ...]]:
+    """``targets`` checked against the requested ``modules`` (see :func:`~lightning_moe.memory.handles.check_targets`)."""
+    return check_targets(targets, modules, RECOMPUTE_MODULES, RECOMPUTE_TARGETABLE, "recompute")
 
 
 _TYPES = {
@@ -354,13 +394,14 @@ _TYPES = {
 }
 
 
-def _targets(model: nn.Module, kind: str) -> list[tuple[str, nn.Module]]:
+def _targets(model: nn.Module, kind: str, specs: tuple[ModuleSpec, ...] | None) -> list[tuple[str, nn.Module]]:
+    if specs is not None:
+        return find_modules(model, specs)
+    if kind == "layernorm":
+        return find_modules(model, _NORM_NAMES)
     found = []
     for name, module in model.named_modules():
-        if kind == "layernorm":
-            if name.rsplit(".", 1)[-1] in _NORM_NAMES:
-                found.append((name, module))
-        elif kind == "shared_experts":
+        if kind == "shared_experts":
             if isinstance(module, MoELayer) and module.shared_expert is not None:
                 found.append((f"{name}.shared_expert" if name else "shared_expert", module.shared_expert))
         elif isinstance(module, _TYPES[kind]):
@@ -380,27 +421,43 @@ def _check_no_offload_inside(kind: str, name: str, module: nn.Module) -> None:
             )
 
 
-def apply_selective_recompute(model: nn.Module, modules: Sequence[str]) -> RecomputeHandle:
+def apply_selective_recompute(
+    model: nn.Module,
+    modules: Sequence[str],
+    targets: Mapping[str, ModuleSpec | Sequence[ModuleSpec]] | None = None,
+    strict: bool = False,
+) -> RecomputeHandle:
     """Apply fine-grained recompute of ``modules`` (names of :data:`RECOMPUTE_MODULES`) to ``model``.
 
     Works on any model built from this package's layers (``MoELayer``, ``Attention``,
-    ``CoreAttention``) and on norms named ``attn_norm``/``ffn_norm``. A name that matches no
-    module is recorded with an empty list in ``handle.modules``. Raises ``ValueError`` for unknown
-    names, for a module already recomputed, and for a standard checkpoint around an activation
-    offload boundary.
+    ``CoreAttention``) and on norms named ``attn_norm``/``ffn_norm``; ``targets`` names a
+    user's own modules for ``layernorm`` (any module taking one tensor and returning a fresh
+    one), ``core_attn`` and ``attention`` (any module): a list of module types or qualified-name
+    patterns per name, replacing its default rule (module docstring). A name that matches no
+    module is recorded with an empty list in ``handle.modules`` (``handle.unmatched_message``
+    explains it), or raises ``ValueError`` with ``strict=True`` before anything is changed.
+    Raises ``ValueError`` for unknown names or targets, for a module already recomputed, and
+    for a standard checkpoint around an activation offload boundary.
     """
     kinds = check_recompute_modules(modules)
+    custom = check_recompute_targets(targets, kinds)
     handle = RecomputeHandle()
+    found = {kind: _targets(model, kind, custom.get(kind)) for kind in kinds}
+    for kind in kinds:
+        handle.modules[kind] = [name for name, _ in found[kind]]
+        handle.looked_for[kind] = describe_specs(custom[kind]) if kind in custom else RECOMPUTE_DEFAULT_TARGETS[kind]
+    message = handle.unmatched_message("apply_selective_recompute", type(model).__name__) if strict else None
+    if message is not None:
+        raise ValueError(f"{message} Raised because strict=True.")
     scopes: dict[int, _DiscardScope] = {}
     try:
         for kind in kinds:
-            targets = _targets(model, kind)
-            handle.modules[kind] = [name for name, _ in targets]
-            for name, module in targets:
+            for name, module in found[kind]:
                 if getattr(module, RECOMPUTE_MARK, None) is not None:
+                    fix = f", or give {kind!r} targets that do not match it" if kind in custom else ""
                     raise ValueError(
                         f"{name} is already recomputed ({getattr(module, RECOMPUTE_MARK)!r}); remove the "
-                        "earlier SelectiveRecompute / apply_selective_recompute first."
+                        f"earlier SelectiveRecompute / apply_selective_recompute first{fix}."
                     )
                 if kind == "moe_act":
                     handle._undo.append(_force_activation_recompute(module))
@@ -408,7 +465,7 @@ def apply_selective_recompute(model: nn.Module, modules: Sequence[str]) -> Recom
                 if kind in _STANDARD:
                     _check_no_offload_inside(kind, name, module)
                     handle._undo.append(checkpoint_module(module))
-                else:  # layernorm
+                else:  # layernorm: outputs discarded while the norm's parent module runs
                     parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
                     scope = scopes.get(id(parent))
                     if scope is None:
