@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check (DESIGN.md section 4): the `gpu`/`te` tests, then the GPU parts of the
+# One-shot GPU check (docs/architecture.md §9): the `gpu`/`te` tests, then the GPU parts of the
 # benchmarks that exist, in well under 8 minutes on one H200. Results go to the directory given as
 # the first argument (default benchmarks/out/gpu_check); a short table is printed last.
 #

@@ -11,7 +11,7 @@ Every configuration is also checked to give the same loss and gradients as ``non
     python benchmarks/memory.py --rss                 # plus peak RSS of a training step per config
     python benchmarks/memory.py --grad-sync           # gradient bytes of a backward + reduction step
 
-Predictions come from the design (``megatron-core-moe.md`` 4.2/4.3): ``moe_act`` recompute drops
+Predictions come from the design (docs/numerics.md §13): ``moe_act`` recompute drops
 the activation output, ``N x F x 4`` bytes per layer (``K x F x 4`` per token, ``N = T x K``); the
 offload of a boundary moves its saved storages in every layer but the last (kept by the warm-up
 rule), ``(L-1)/L`` of them per layer on average. Where the design rule needs a size only the run

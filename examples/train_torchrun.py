@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node=2 examples/train_torchrun.py --tp 1 --ep 2 --steps 20
     torchrun --standalone --nproc_per_node=4 examples/train_torchrun.py --tp 2 --etp 1 --ep 4 --save /tmp/ckpt
 
-What ``MoEStrategy`` does for a LightningModule, written out step by step (DESIGN.md section 1,
-rule 1: model code is single-device, parallelism is applied afterwards in one fixed order):
+What ``MoEStrategy`` does for a LightningModule, written out step by step (model code is
+single-device, parallelism is applied afterwards in one fixed order: docs/architecture.md §1-§2):
 
 1. **Process group.** ``torchrun`` sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``;
    ``init_process_group`` reads them: gloo on CPU, nccl on GPU (one GPU per process).

@@ -1,4 +1,4 @@
-"""Enforce the package layering of DESIGN.md section 1 by reading the source, not by convention.
+"""Enforce the package layering of docs/architecture.md §1 by reading the source, not by convention.
 
 The core subpackages must work without Lightning (plain torchrun scripts use them), and
 ``layers/`` holds single-device code only: collectives belong in ``parallel/``.

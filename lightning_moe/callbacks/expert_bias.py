@@ -1,8 +1,8 @@
 """`ExpertBiasUpdater`: the once-per-global-batch router updates, as a Lightning callback.
 
-A thin wrapper over :mod:`lightning_moe.parallel.expert_bias` (reference ``megatron-core-moe.md``
-sections 2.7 and 2.5.3). `MoEStrategy` adds one by itself when a router uses the expert bias or
-the global aux loss and the user did not pass one.
+A thin wrapper over :mod:`lightning_moe.parallel.expert_bias` (docs/numerics.md §7 and §5.3).
+`MoEStrategy` adds one by itself when a router uses the expert bias or the global aux loss and
+the user did not pass one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Byte-level text data with no download: tokenizer, text corpora and packed next-token datasets.
 
-Core code (DESIGN.md section 1): no ``lightning`` and no ``torch.distributed`` here; Lightning's
+Core code (docs/architecture.md §1): no ``lightning`` and no ``torch.distributed`` here; Lightning's
 ``DistributedSampler`` shards the map-style datasets over data-parallel replicas.
 
 >>> from lightning_moe.data import ByteTokenizer, build_datasets

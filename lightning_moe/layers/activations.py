@@ -2,7 +2,7 @@
 
 Gated activations (``swiglu``) take an fc1 output of width ``2F`` laid out as the ``F`` gate
 columns followed by the ``F`` up columns, and return width ``F``. Plain activations map ``F``
-to ``F``. The layout is part of the public state-dict format (DESIGN.md section 2).
+to ``F``. The layout is part of the public state-dict format (docs/architecture.md §6).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ A dispatcher moves routed tokens to the experts that hold them and the expert ou
 * ``combine(expert_out, metadata)`` takes the expert outputs, laid out like ``rows`` (scattered
   back through ``row_index`` and summed when it is set), and returns ``[T, H]``.
 
-Metadata is returned, never stored on the dispatcher (DESIGN.md rule 4), so a dispatcher can be
+Metadata is returned, never stored on the dispatcher (docs/architecture.md §3), so a dispatcher can be
 shared and re-entered (recompute, several micro-batches in flight).
 
 The local dispatcher reads nothing from the device in dropless routing (the row count is

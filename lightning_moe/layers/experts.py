@@ -1,6 +1,6 @@
 """`GroupedExperts`: the routed experts of one MoE layer, stored as stacked weights.
 
-Weights follow the public state-dict format (DESIGN.md section 2), ``nn.Linear``'s (out, in)
+Weights follow the public state-dict format (docs/architecture.md §6), ``nn.Linear``'s (out, in)
 convention with one leading expert dimension:
 
 * ``fc1_weight`` ``[E, 2F, H]`` for gated activations (the F gate rows, then the F up rows) or
@@ -143,7 +143,7 @@ def expert_generator(layer_seed: int, global_expert: int) -> torch.Generator:
     """The CPU generator that initialises global expert ``global_expert`` of a layer.
 
     Seeding per (layer seed, global index) makes the weights independent of how experts are
-    sharded and of the device the model was built on (DESIGN.md section 3).
+    sharded and of the device the model was built on (docs/architecture.md §8).
     """
     mixed = (layer_seed * 1_000_003 + global_expert * 7_919 + 1) % (2**63 - 1)
     return torch.Generator(device="cpu").manual_seed(mixed)

@@ -9,7 +9,7 @@ the main loss by before its backward:
 * the GradScaler's current scale under ``precision="16-mixed"``: the main loss is scaled before
   backward and every gradient unscaled before the step. An aux-loss gradient that missed the
   scale would come out ~65536x too small after unscaling, which disables load balancing;
-* strategy factors (the context-parallel factor of reference section 2.5.4 under `MoEStrategy`).
+* strategy factors (the context-parallel factor of docs/numerics.md §5.4 under `MoEStrategy`).
 
 :class:`LossGradScale` holds that number as a 0-dim fp32 tensor on the model's device. It is bound
 to every router of a model once (the routers keep a reference, which each forward hands to

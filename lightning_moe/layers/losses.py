@@ -1,6 +1,6 @@
 """Router auxiliary losses with Megatron Core semantics, and the autograd scaler that applies them.
 
-Reference: ``megatron-core-moe.md`` sections 2.5 (load-balancing losses) and 2.6 (z-loss).
+Reference: docs/numerics.md §5 (load-balancing losses) and §6 (z-loss).
 
 The losses are pure functions of *local* tensors plus counts that the caller has already summed
 over the right group of ranks (this package never calls collectives): the router sums the counts
@@ -43,12 +43,12 @@ def switch_load_balancing_loss(
     num_experts: int,
     coeff: float,
 ) -> Tensor:
-    """Switch/GShard load-balancing loss, Megatron ``switch_load_balancing_loss_func`` (ref. 2.5.2).
+    """Switch/GShard load-balancing loss, Megatron ``switch_load_balancing_loss_func``.
 
     ``loss = coeff * E / (K * N**2) * sum_i (sum_{t local} probs[t, i]) * c_i``, i.e.
     ``coeff * E * sum_i f_i * P_i`` with ``f_i = c_i / (N K)`` from the counts ``c`` of the whole
     group and ``P_i`` from this rank's rows only, so the values of the ranks of a group sum to the
-    loss of the group's tokens.
+    loss of the group's tokens (docs/numerics.md §5.2).
 
     Args:
         probs: ``[T_local, E']`` scores of the local tokens (rows of padded tokens already zero).
@@ -66,7 +66,7 @@ def switch_load_balancing_loss(
 def aux_loss_scores(
     logits: Tensor, top_k: int, score_func: str, padding_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Scores and routing map used by the load-balancing losses (ref. 2.5.1).
+    """Scores and routing map used by the load-balancing losses (docs/numerics.md §5.1).
 
     Recomputed from the logits, independent of the routing decision: ``softmax`` over all experts
     (in fp32), or ``sigmoid`` / ``sqrtsoftplus`` scores normalised to sum to 1 over the experts;
@@ -99,7 +99,7 @@ def aux_loss_scores(
 def _group_num_tokens(
     num_local_rows: int, group_size: int, counts: Tensor, tokens_per_row: int, with_padding_mask: bool
 ) -> int | Tensor:
-    """``N`` of ref. 2.5.3: local rows times the group size, or valid tokens from the counts.
+    """``N`` of docs/numerics.md §5.3: local rows times the group size, or valid tokens from the counts.
 
     With a padding mask every valid token contributes ``tokens_per_row`` assignments to the counts,
     so ``sum(counts) / tokens_per_row`` is the group's valid-token count. Both are clamped at 1 so
@@ -119,7 +119,7 @@ def aux_loss(
     group_size: int = 1,
     with_padding_mask: bool = False,
 ) -> Tensor:
-    """Micro-batch load-balancing loss, Megatron ``aux_loss`` (ref. 2.5.3, first row).
+    """Micro-batch load-balancing loss, Megatron ``aux_loss`` (docs/numerics.md §5.3, first row).
 
     Args:
         scores: ``[T_local, E]`` local aux-loss scores (:func:`aux_loss_scores`).
@@ -151,7 +151,7 @@ def seq_aux_loss(
     group_size: int = 1,
     with_padding_mask: bool = False,
 ) -> Tensor:
-    """Sequence-level load-balancing loss, Megatron ``seq_aux_loss`` (ref. 2.5.3, second row).
+    """Sequence-level load-balancing loss, Megatron ``seq_aux_loss`` (docs/numerics.md §5.3, second row).
 
     The mean over the ``B`` sequences of each sequence's Switch loss. Megatron reshapes its
     s-major ``[S_local * B, E]`` rows to ``[S_local, B * E]`` so that every (sequence, expert) pair
@@ -190,7 +190,7 @@ def global_aux_loss(
     group_size: int = 1,
     with_padding_mask: bool = False,
 ) -> Tensor:
-    """Global-batch load-balancing loss, Megatron ``global_aux_loss`` (ref. 2.5.3, third row).
+    """Global-batch load-balancing loss, Megatron ``global_aux_loss`` (docs/numerics.md §5.3, third row).
 
     Args:
         scores: ``[T_local, E]`` local aux-loss scores.
@@ -207,7 +207,7 @@ def global_aux_loss(
         This rank's share of the loss over the whole TP x DP x CP batch (shares sum to the loss);
         this is also the value that is logged (divided by ``coeff``).
 
-    Gradient scale under data parallelism (ref. 2.5.4, Megatron issue #3672, a deliberate
+    Gradient scale under data parallelism (docs/numerics.md §5.4, Megatron issue #3672, a deliberate
     difference from upstream): each rank's value is a share of a loss whose ``N`` counts the
     tokens of all DP ranks, so its gradient is about ``1/DP`` of an ``aux_loss`` gradient; when
     the strategy then averages dense gradients over DP, Megatron's global-aux gradient ends up
@@ -221,7 +221,7 @@ def global_aux_loss(
 
 
 def z_loss(logits: Tensor, coeff: float, padding_mask: Tensor | None = None, tp_cp_size: int = 1) -> Tensor:
-    """Router z-loss of ST-MoE, Megatron ``z_loss_func`` / ``apply_z_loss`` (ref. 2.6).
+    """Router z-loss of ST-MoE, Megatron ``z_loss_func`` / ``apply_z_loss`` (docs/numerics.md §6).
 
     ``coeff / tp_cp_size * mean_t logsumexp(logits[t])**2`` over the local valid tokens (the mean
     over valid tokens uses ``max(count, 1)``). The ``1 / tp_cp_size`` makes the TP x CP ranks,
@@ -239,7 +239,7 @@ def z_loss(logits: Tensor, coeff: float, padding_mask: Tensor | None = None, tp_
 class AuxLossScaler(torch.autograd.Function):
     """Identity on a tensor that makes backward give an attached loss the gradient ``scale``.
 
-    Megatron ``MoEAuxLossAutoScaler`` (ref. 2.5.4), with the scale passed in rather than held in
+    Megatron ``MoEAuxLossAutoScaler`` (docs/numerics.md §5.4), with the scale passed in rather than held in
     class-level state. Use through :func:`attach_loss`.
     """
 

@@ -1,11 +1,11 @@
 """`MoELayer`: router, (optional) shared expert and routed experts, on one device.
 
-Forward order follows Megatron Core (reference section 2.1): the shared expert runs on the
+Forward order follows Megatron Core (docs/numerics.md §1): the shared expert runs on the
 input, the router gives sparse ``probs [T, E]`` and a ``routing_map [T, E]``, the routed tokens
 go through their experts (probs multiply each expert's activation output, before fc2), the
 expert outputs are summed per token, and the shared output is added.
 
-Parallelism is applied afterwards (DESIGN.md rule 1): ``lightning_moe.parallel`` replaces
+Parallelism is applied afterwards (docs/architecture.md §2): ``lightning_moe.parallel`` replaces
 ``self.dispatcher`` (a :class:`~lightning_moe.layers.dispatch.LocalDispatcher`, which fuses the
 permutation into the expert kernel) and sets the router's reductions.
 """
@@ -41,7 +41,7 @@ class MoELayer(nn.Module):
     Zero tokens (``[0, H]``, ``[0, S, H]`` or ``[B, 0, H]``: an expert-parallel rank or a
     micro-batch without any) give an empty output, zero losses (logged as 0) and zero gradients.
 
-    State dict (public format, DESIGN.md section 2): ``router.weight`` ``[E, H]``,
+    State dict (public format, docs/architecture.md §6): ``router.weight`` ``[E, H]``,
     ``router.expert_bias`` ``[E]`` (with expert bias), ``experts.fc1_weight`` ``[E, 2F, H]``
     (gate rows then up rows; ``[E, F, H]`` for plain activations), ``experts.fc2_weight``
     ``[E, H, F]``, optional ``experts.fc2_bias`` ``[E, H]``, ``shared_expert.fc1.weight``,

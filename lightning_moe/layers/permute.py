@@ -2,10 +2,10 @@
 
 ``permute`` groups the (token, expert) assignments of a routing map by expert so each expert sees
 one contiguous block of rows; ``unpermute`` sums the expert outputs back into token order. The
-row order is part of the numerics contract (reference section 2.9): **expert-major, token index
+row order is part of the numerics contract (docs/numerics.md §8): **expert-major, token index
 ascending within an expert**, exactly as ``megatron.core.transformer.moe.moe_utils.permute``.
 
-``pad_routing_map`` is the router padding for quantised grouped GEMMs (reference section 2.4,
+``pad_routing_map`` is the router padding for quantised grouped GEMMs (docs/numerics.md §12,
 ``moe_utils.pad_routing_map``) and ``tokens_per_expert`` the per-expert row counts.
 ``gather_rows``/``scatter_rows`` move rows through a row index for the expert kernels; when the
 index is a pure permutation (each row exactly once) both directions use ``index_copy``, which is
@@ -79,7 +79,7 @@ def permute(
               for dropless top-k routing. The value must equal the number of True entries (a larger
               one would leave rows without a token; it is not checked, which would need a sync).
             * ``drop_and_pad``: required, ``capacity * E``.
-        drop_and_pad: static-shape mode for capacity routing (reference section 2.4). Every expert
+        drop_and_pad: static-shape mode for capacity routing (docs/numerics.md §4). Every expert
             gets exactly ``capacity = num_out_tokens // E`` rows: its marked tokens in ascending
             token order (the first ``capacity`` of them if there are more) followed, only if fewer
             than ``capacity`` are marked, by the lowest unmarked token indices. The router's pad step
@@ -204,7 +204,7 @@ def pad_routing_map(routing_map: Tensor, alignment: int) -> Tensor:
 
     For each expert with ``c`` routed tokens, the first ``(-c) mod alignment`` unrouted tokens
     (lowest token indices first) are marked too, for quantised grouped GEMMs that need aligned
-    segment sizes (reference sections 1.4 and 2.4). Experts with no tokens stay empty. The
+    segment sizes (docs/numerics.md §12). Experts with no tokens stay empty. The
     probabilities are not touched: the filler entries are already 0 there, so the filler rows
     contribute nothing to the output. If an expert has fewer unrouted tokens than it needs, all of
     them are marked (its count then cannot reach the multiple).

@@ -1,14 +1,14 @@
 """`TopKRouter`: the gate of an MoE layer, with Megatron Core's losses, capacity and expert bias.
 
-Reference: ``megatron-core-moe.md`` sections 1.2-1.4 and 2.2-2.7. The router is single-device
-code: statistics that Megatron sums over process groups are summed through the closures of a
-:class:`RouterReduction`, which the parallel package sets on ``router.reduction`` (the default
-is one device). The pure routing functions live in ``routing.py`` and are re-exported here.
+Reference: docs/numerics.md §2-§7. The router is single-device code: statistics that Megatron
+sums over process groups are summed through the closures of a :class:`RouterReduction`, which
+the parallel package sets on ``router.reduction`` (the default is one device). The pure routing
+functions live in ``routing.py`` and are re-exported here.
 
 Once-per-micro-batch side effects (attaching and logging the losses, expert-bias token counts,
 global aux-loss statistics, load-balance metric statistics) happen only when
 ``self.training and torch.is_grad_enabled()``, so a forward run under ``no_grad`` and then
-recomputed with grad (reentrant activation checkpointing) counts once (DESIGN.md rule 5). A plain
+recomputed with grad (reentrant activation checkpointing) counts once (docs/architecture.md §4). A plain
 non-reentrant ``torch.utils.checkpoint`` recomputes with grad enabled and would count twice;
 ``lightning_moe.memory``'s recompute restores the buffers around its recomputation instead.
 """
@@ -265,9 +265,10 @@ class TopKRouter(nn.Module):
         sequence aux loss; ``padding_mask`` ``[T]`` (True = padding) removes tokens from the losses
         and counts, not from routing. Zero tokens (also as ``num_sequences=0``) give empty outputs,
         attached losses of 0 recorded as 0 (a rank's share of its group's loss is then 0, and
-        every rank records the same number of micro-batches) and nothing counted. Order as upstream (ref. 2.2): jitter (training), logits in
-        the router dtype, forced balancing, z-loss on the logits, top-k routing, capacity
-        (per this rank's ``T``), aux losses on the probs, expert-bias counts of the kept assignments.
+        every rank records the same number of micro-batches) and nothing counted. Order as upstream
+        (docs/numerics.md §2): jitter (training), logits in the router dtype, forced balancing,
+        z-loss on the logits, top-k routing, capacity (per this rank's ``T``), aux losses on the
+        probs, expert-bias counts of the kept assignments.
         Padding the map to ``config.router_padding_alignment`` is done after this, by the MoE
         layer with ``permute.pad_routing_map`` (those filler rows are not counted here).
 
@@ -333,7 +334,8 @@ class TopKRouter(nn.Module):
 
     def _attach_z_loss(self, logits: Tensor, padding_mask: Tensor | None) -> Tensor:
         # The coefficient-free mean is what Megatron logs; the attached value is coeff / |TP x CP|
-        # times it (ref. 2.6), so the TP x CP ranks, whose weight grads are summed, add up to one mean.
+        # times it (docs/numerics.md §6), so the TP x CP ranks, whose weight grads are summed, add
+        # up to one mean.
         mean_squared_logsumexp = losses.z_loss(logits, 1.0, padding_mask)
         self._record("z_loss", mean_squared_logsumexp)
         attached = mean_squared_logsumexp * (self.config.z_loss_coeff / self.reduction.tp_cp_size)

@@ -2,7 +2,7 @@
 
 Pure single-device functions: they read a router's logits and routing maps and return small
 device tensors, never reading anything back to the host. ``TopKRouter`` accumulates them in
-non-persistent buffers once per micro-batch (DESIGN.md rule 5); ``lightning_moe.metrics`` sums
+non-persistent buffers once per micro-batch (docs/architecture.md §4); ``lightning_moe.metrics`` sums
 them over ranks and micro-batches.
 
 Definitions, for the ``T`` tokens of one micro-batch on this rank, ``K`` experts per token and
@@ -19,7 +19,7 @@ the valid tokens ``V`` (not marked as padding by ``padding_mask``):
   (zero when dropless);
 * ``entropy_sum = sum_{t in V} H(s_t)`` with ``H(s) = -sum_e s_e ln s_e`` (nats, ``0 ln 0 = 0``)
   of the routing scores normalised over all ``E`` experts, the distribution the load-balancing
-  loss uses (ref. 2.5.1): ``softmax(logits)`` for ``score_func="softmax"``, otherwise
+  loss uses (docs/numerics.md §5.1): ``softmax(logits)`` for ``score_func="softmax"``, otherwise
   ``f(logits) / sum_e f(logits)`` with ``f = sigmoid`` or ``sqrt(softplus)``. Computed in fp32
   from the logits actually routed on (after jitter or forced balancing, without expert bias).
   Its mean over tokens lies in ``[0, ln E]``: ``ln E`` is a router that cannot tell experts

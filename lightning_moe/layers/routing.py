@@ -1,7 +1,7 @@
 """Pure routing functions with Megatron Core semantics: scores, top-k, groups, capacity, bias update.
 
-Reference: ``megatron-core-moe.md`` sections 2.2 (scores, top-k, probs), 2.3 (group-limited
-top-k), 2.4 (capacity, dropping, padding) and 2.7 (expert-bias sign rule). ``TopKRouter`` in
+Reference: docs/numerics.md §2 (scores, top-k, probs), §3 (group-limited top-k), §4
+(capacity, dropping, padding) and §7 (expert-bias sign rule). ``TopKRouter`` in
 ``router.py`` strings these together; they are importable from there too.
 
 Shapes: ``T`` local tokens, ``E`` experts, ``K`` experts per token.
@@ -36,7 +36,7 @@ _NORMALISATION_EPS = 1e-20
 def group_limited_topk(
     scores: Tensor, top_k: int, num_groups: int, group_top_k: int
 ) -> tuple[Tensor, Tensor]:
-    """Top-k restricted to the best ``group_top_k`` of ``num_groups`` expert groups (ref. 2.3).
+    """Top-k restricted to the best ``group_top_k`` of ``num_groups`` expert groups (docs/numerics.md §3).
 
     Megatron ``group_limited_topk``: experts form contiguous groups of ``E / num_groups``; a
     group's score is the sum of its top ``top_k // group_top_k`` scores (integer division, as
@@ -104,7 +104,9 @@ def topk_routing(
     scaling_factor: float | None = None,
     expert_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Route every token to its top-k experts, Megatron ``topk_routing_with_score_function`` (ref. 2.2).
+    """Route every token to its top-k experts, Megatron ``topk_routing_with_score_function``.
+
+    As docs/numerics.md §2:
 
     * softmax, post (default): top-k of the logits, softmax over the K selected logits (fp32).
     * softmax, ``pre_softmax``: softmax over all experts, top-k, no renormalisation.
@@ -165,9 +167,10 @@ def topk_routing(
 
 
 def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows each expert may take, Megatron ``get_capacity``: ``ceil(num_tokens / E * factor)`` (ref. 2.4).
+    """Rows each expert may take, Megatron ``get_capacity``: ``ceil(num_tokens / E * factor)``.
 
-    The router calls it with ``num_tokens = T * K`` for this rank's ``T`` tokens of the micro-batch.
+    See docs/numerics.md §4. The router calls it with ``num_tokens = T * K`` for this rank's ``T``
+    tokens of the micro-batch.
     """
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor={capacity_factor} must be > 0; use None for dropless routing.")
@@ -201,7 +204,7 @@ def apply_token_dropping(
     drop_policy: str = "probs",
     pad_to_capacity: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Enforce a per-expert capacity, Megatron ``apply_router_token_dropping`` (ref. 2.4).
+    """Enforce a per-expert capacity, Megatron ``apply_router_token_dropping`` (docs/numerics.md §4).
 
     Per expert column, the ``capacity`` kept rows are (when ``capacity <= T``; else nothing is
     dropped):
@@ -269,12 +272,13 @@ def random_logits_straight_through(logits: Tensor, generator: torch.Generator | 
 
 
 def update_expert_bias(bias: Tensor, tokens_per_expert: Tensor, rate: float) -> Tensor:
-    """Expert bias after one aux-loss-free update, Megatron ``get_updated_expert_bias`` (ref. 2.7).
+    """Expert bias after one aux-loss-free update, Megatron ``get_updated_expert_bias``.
 
-    ``bias + rate * sign(mean(c) - c)`` with ``sign(0) = 0``, in fp32, where ``c`` are the counts
-    of the global batch summed over TP x DP x CP. The sign is decided exactly: for integer counts
-    as ``sign(sum(c) - E * c)`` in integers, for float counts in fp64 (bf16 counts flip signs,
-    upstream PR #7081). Returns a new fp32 tensor; the caller copies it into the buffer.
+    docs/numerics.md §7: ``bias + rate * sign(mean(c) - c)`` with ``sign(0) = 0``, in fp32, where
+    ``c`` are the counts of the global batch summed over TP x DP x CP. The sign is decided
+    exactly: for integer counts as ``sign(sum(c) - E * c)`` in integers, for float counts in fp64
+    (bf16 counts flip signs, upstream PR #7081). Returns a new fp32 tensor; the caller copies it
+    into the buffer.
     """
     if tokens_per_expert.shape != bias.shape:
         raise ValueError(

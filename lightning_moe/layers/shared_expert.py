@@ -1,11 +1,11 @@
 """The shared expert: a dense MLP applied to every token next to the routed experts.
 
-Megatron Core ``moe/shared_experts.py::SharedExpertMLP`` (reference section 1.7): an MLP of width
+Megatron Core ``moe/shared_experts.py::SharedExpertMLP`` (docs/numerics.md §1): an MLP of width
 ``moe_shared_expert_intermediate_size`` without biases, whose output the MoE layer adds to the
 routed output; with ``moe_shared_expert_gate`` the output is scaled by ``sigmoid(x @ w_g^T)``,
 ``w_g`` of shape ``[1, H]`` (Qwen2-MoE style).
 
-The parameter names and shapes are the public state-dict format (DESIGN.md section 2):
+The parameter names and shapes are the public state-dict format (docs/architecture.md §6):
 ``fc1.weight`` ``[2Fs, H]`` for gated activations (the Fs gate rows first, then the Fs up rows)
 or ``[Fs, H]``, ``fc2.weight`` ``[H, Fs]`` and, when gated, ``gate.weight`` ``[1, H]``.
 """
@@ -25,7 +25,7 @@ class SharedExpertMLP(nn.Module):
 
     Mirrors Megatron Core's ``SharedExpertMLP`` (``moe_shared_expert_intermediate_size``,
     ``moe_shared_expert_gate``), on one device; tensor parallelism is applied afterwards by
-    ``lightning_moe.parallel`` (DESIGN.md rule 1).
+    ``lightning_moe.parallel`` (docs/architecture.md §2).
 
     Args:
         hidden_size: model width H of input and output.
@@ -36,8 +36,8 @@ class SharedExpertMLP(nn.Module):
         gate: scale the output by a learned per-token sigmoid gate ``sigmoid(x @ gate.weight^T)``.
 
     Parameters are created with ``nn.Linear``'s default initialisation; the MoE layer calls
-    :meth:`reset_parameters` with its own generator for the deterministic scheme of DESIGN.md
-    section 3.
+    :meth:`reset_parameters` with its own generator for the deterministic scheme of
+    docs/architecture.md §8.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """The reference Mixture-of-Experts language model: plain single-device ``nn.Module`` s.
 
-No Lightning and no ``torch.distributed`` here (DESIGN.md section 1); examples, benchmarks, tests
+No Lightning and no ``torch.distributed`` here (docs/architecture.md §1); examples, benchmarks, tests
 and the LightningModule in ``lightning_moe.lit`` build on it, and ``lightning_moe.parallel``
 parallelises it afterwards. Presets of published models are in ``examples/configs/models/``.
 """

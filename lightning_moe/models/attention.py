@@ -1,6 +1,6 @@
 """Causal self-attention of the reference model: RMSNorm, rotary embeddings, grouped-query attention.
 
-Everything here is single-device code (DESIGN.md rule 1). The attention module reads the number of
+Everything here is single-device code (docs/architecture.md §2). The attention module reads the number of
 heads it holds from its projections' output width at run time (``view(B, S, -1, head_dim)``), so a
 tensor-parallel plan that column-shards ``q_proj``/``k_proj``/``v_proj`` and row-shards ``o_proj``
 needs no change here: each rank then simply computes its local heads.

@@ -1,6 +1,6 @@
 """`MoETransformer`: the reference GPT-style decoder-only Mixture-of-Experts language model.
 
-Written for one device (DESIGN.md rule 1): parallelism is applied afterwards by
+Written for one device (docs/architecture.md §2): parallelism is applied afterwards by
 ``lightning_moe.parallel`` (expert parallelism on the :class:`~lightning_moe.MoELayer` s, tensor
 parallelism by a plan over the module names below). Module names are a stable public API::
 

@@ -1,11 +1,11 @@
 """End-of-global-batch router updates: the aux-loss-free expert bias and the global aux-loss reset.
 
-Reference ``megatron-core-moe.md`` sections 2.7 and 2.5.3 (Megatron's ``finalize_model_grads``:
+Reference docs/numerics.md §7 and §5.3 (Megatron's ``finalize_model_grads``:
 ``_update_router_expert_bias`` and the global aux-loss tracker reset). Every
 :class:`~lightning_moe.layers.router.TopKRouter` counts, in its int64 buffer
 ``local_tokens_per_expert``, the kept real assignments (top-k choices that survive the capacity
 limit, of valid tokens; no ``pad_to_capacity`` filler rows) of each training micro-batch run
-with grad enabled (so a recomputed forward does not count twice, DESIGN.md rule 5). After the
+with grad enabled (so a recomputed forward does not count twice, docs/architecture.md §4). After the
 backward of the last micro-batch of a global batch, once per optimizer step:
 
 1. :func:`update_expert_biases` sums the counts of every router with an expert bias over the
@@ -129,6 +129,7 @@ def update_expert_biases(
 @torch.no_grad()
 def reset_global_aux_loss_states(routers_or_model: nn.Module | Iterable[TopKRouter]) -> None:
     """Zero the global aux loss's running statistics (``global_tokens_per_expert``,
-    ``global_aux_loss_steps``) of every router; call at the end of every global batch (ref. 2.5.3)."""
+    ``global_aux_loss_steps``) of every router; call at the end of every global batch
+    (docs/numerics.md §5.3)."""
     for router in routers_of(routers_or_model):
         router.reset_global_aux_loss_state()

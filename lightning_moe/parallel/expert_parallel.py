@@ -4,7 +4,7 @@ After it runs, each rank holds the experts ``[ep_rank * nle, (ep_rank + 1) * nle
 layer, each cut to its expert-tensor-parallel block of the F dimension (fc1: its block of the gate
 rows and its block of the up rows; fc2: its column block). The parameters stay plain local
 tensors (fast kernels, any optimizer); the state dict still presents the public format of
-DESIGN.md section 2 with *global* shapes:
+docs/architecture.md §6 with *global* shapes:
 
 * ``state_dict()`` wraps each expert tensor into a DTensor on the expert mesh, sharded over ``ep``
   on the expert dimension (and over ``etp`` where the F block is contiguous; gated fc1 is gathered

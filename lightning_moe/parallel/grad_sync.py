@@ -1,7 +1,7 @@
 """Gradient synchronisation for a folded layout: dense and expert gradients, in buckets.
 
 Every gradient is pre-scaled by ``1 / (DP * CP)`` (the dense data-parallel world) and then summed
-(reference ``megatron-core-moe.md`` section 2.11):
+(docs/numerics.md §11):
 
 * expert parameters (tagged by ``apply_expert_parallel``) over the expert-data-parallel group
   ``edp``: each expert replica already summed the token gradients of its whole EP group through

@@ -6,7 +6,8 @@
             strategy=MoEStrategy(...))
 
 (Pass it in ``plugins``, not as ``precision=``: a Precision object bypasses Lightning's check of
-the precision string, see ``reference/lightning-strategy.md`` section 1.5.)
+the precision string, ``AcceleratorConnector._validate_precision_choice``, which accepts only
+``32-true``, ``bf16-mixed``, ``bf16-true`` and ``16-true`` for a ``ModelParallelStrategy``.)
 
 * ``backend``: ``torch`` (PyTorch's scaled FP8 GEMMs, :mod:`lightning_moe.precision.torch_fp8`),
   ``te`` (Transformer Engine, :mod:`lightning_moe.precision.te_fp8`) or ``auto`` (``te`` when

@@ -5,7 +5,7 @@
   ``delayed`` (TE ``DelayedScaling``), ``tensorwise`` (``Float8CurrentScaling``), ``blockwise``
   (``Float8BlockScaling``, 1x128 / 128x128 blocks), ``mxfp8`` (``MXFP8BlockScaling``, Blackwell)
   and ``nvfp4`` (``NVFP4BlockScaling``, FP4), where the installed TE has them.
-* Expert token alignment (reference section 1.10, Megatron ``get_fp8_align_size`` /
+* Expert token alignment (docs/numerics.md §12, Megatron ``get_fp8_align_size`` /
   ``get_fp4_align_size``): quantised grouped GEMMs need every expert's token segment to be a
   multiple of 16 rows (FP8), 32 (MXFP8) or 128 (NVFP4). The MoE layer pads its routing map to
   that multiple with zero-probability filler rows when ``MoEConfig.router_padding_alignment`` is

@@ -77,7 +77,7 @@ class StepSafeguards:
         Lightning divides the loss by ``accumulation`` (read every step:
         ``GradientAccumulationScheduler`` changes it) and 16-mixed multiplies it by the
         GradScaler's scale. The CP factor undoes the ``1/(DP*CP)`` pre-scale for losses that each
-        CP rank holds only a share of (reference section 2.5.4).
+        CP rank holds only a share of (docs/numerics.md §5.4).
         """
         if self.loss_scale is not None:
             self.loss_scale.update(ctx.size("cp") / accumulation, grad_scaler)

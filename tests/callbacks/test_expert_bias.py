@@ -72,7 +72,7 @@ def _sign_rule(bias: Tensor, counts: Tensor, rate: float) -> Tensor:
 
 
 def test_sign_rule_reference_example():
-    """Reference section 2.7: counts [10, 2, 4, 0], rate 1e-3 -> [-1e-3, +1e-3, 0, +1e-3]; counts zeroed."""
+    """docs/numerics.md §7: counts [10, 2, 4, 0], rate 1e-3 -> [-1e-3, +1e-3, 0, +1e-3]; counts zeroed."""
     router = _router()
     router.local_tokens_per_expert.copy_(torch.tensor([10, 2, 4, 0]))
     summed = update_expert_biases([router])

@@ -1,8 +1,8 @@
 """An independent, dense reference of `MoELayer`, written from the formulas (no library routing code).
 
-Reference sections 2.2 (scores, top-k, probs), 2.3 (group-limited top-k), 2.4 (capacity,
-dropping, padding), 2.9/2.10 (probs applied inside the expert, combine = plain sum) and 1.7
-(shared expert). Every expert is applied to *every* token and the result weighted by that
+docs/numerics.md §2 (scores, top-k, probs), §3 (group-limited top-k), §4 (capacity, dropping,
+padding), §8/§9 (probs applied inside the expert, combine = plain sum) and §1 (shared
+expert). Every expert is applied to *every* token and the result weighted by that
 expert's column of the dense ``[T, E]`` probabilities, so no permutation, sorting or kernel code
 of the library is involved. Padding (``pad_to_capacity``, ``router_padding_alignment``) only adds
 rows of probability 0, which contribute nothing, so the reference ignores it.
@@ -62,7 +62,7 @@ def _topk_indices(values: Tensor, k: int, what: str) -> Tensor:
 
 
 def _select_experts(selection: Tensor, config: MoEConfig) -> Tensor:
-    """Top-k experts per token, group-limited when configured (ref. 2.3)."""
+    """Top-k experts per token, group-limited when configured (docs/numerics.md §3)."""
     top_k = config.top_k
     if config.num_groups is None:
         return _topk_indices(selection, top_k, "top-k")
@@ -81,7 +81,7 @@ def _select_experts(selection: Tensor, config: MoEConfig) -> Tensor:
 
 
 def _capacity_mask(probs: Tensor, routing_map: Tensor, config: MoEConfig) -> Tensor:
-    """Assignments that survive the per-expert capacity (ref. 2.4; ``position`` = earliest tokens)."""
+    """Assignments that survive the per-expert capacity (docs/numerics.md §4; ``position``: earliest)."""
     num_tokens, num_experts = routing_map.shape
     capacity = math.ceil(num_tokens * config.top_k / num_experts * config.capacity_factor)
     if capacity >= num_tokens:

@@ -1,4 +1,4 @@
-"""Reference values of ``megatron-core-moe.md`` section 2.13, computed with the upstream code.
+"""Reference values of docs/numerics.md §15, computed with the upstream code.
 
 Shared by the router, routing, loss and permutation tests (import as
 ``from layers.reference_values import ...``): one copy of the upstream inputs and outputs.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-# Logits of T=6 tokens over E=4 experts; every example of section 2.13 routes them with K=2.
+# Logits of T=6 tokens over E=4 experts; every example of docs/numerics.md §15 routes them with K=2.
 REFERENCE_LOGITS = torch.tensor(
     [
         [2, 1, 0.5, -1],

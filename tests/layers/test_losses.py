@@ -10,7 +10,7 @@ from layers.reference_values import REFERENCE_LOGITS
 
 from lightning_moe.layers import losses
 
-# Reference values of section 2.13 are printed with 4-7 significant digits.
+# Reference values of docs/numerics.md §15 are printed with 4-7 significant digits.
 REFERENCE_ATOL = 1e-4
 # Loss values recomputed in fp32 by a different summation order: a few ulps of O(1e-2) numbers.
 FP32_LOSS_ATOL = 1e-6

@@ -1,7 +1,7 @@
 """Tests of `MoELayer` against an independent dense reference (`tests/layers/moe_reference.py`).
 
 The reference applies every expert to every token and weights it by the dense routing
-probabilities, from the formulas of reference sections 2.2-2.4 and 2.10, so routing, capacity,
+probabilities, from the formulas of docs/numerics.md §2-§4 and §9, so routing, capacity,
 permutation and both expert kernels of the library are checked end to end: outputs, the input
 gradient and the gradient of every parameter. Load-balancing and z losses are off (they only add
 router gradients and are tested in ``test_router.py``/``test_losses.py``).
@@ -452,7 +452,7 @@ def test_meta_device_build_then_reset_equals_direct_build(activation):
 
 @pytest.mark.gpu
 def test_cuda_build_and_meta_materialisation_on_cuda_equal_the_cpu_build():
-    """Weights depend on (seed, index) only, not on the device (DESIGN.md section 3)."""
+    """Weights depend on (seed, index) only, not on the device (docs/architecture.md §8)."""
     config = _config(**FULL_CONFIG)
     torch.manual_seed(7)
     cpu = MoELayer(config)

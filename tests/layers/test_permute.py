@@ -26,7 +26,7 @@ EXACT = 0.0
 
 HYPOTHESIS_SETTINGS = settings(max_examples=50, deadline=None)
 
-# Reference section 2.13: T=6, E=4, K=2 softmax-post routing.
+# docs/numerics.md §15: T=6, E=4, K=2 softmax-post routing.
 REFERENCE_EXPERTS_BY_TOKEN = {0: (0, 1), 1: (1, 2), 2: (1, 3), 3: (1, 2), 4: (0, 2), 5: (2, 3)}
 
 

@@ -20,7 +20,7 @@ from lightning_moe.layers.router import (
     update_expert_bias,
 )
 
-# Reference values of section 2.13 are printed with 4-7 significant digits.
+# Reference values of docs/numerics.md §15 are printed with 4-7 significant digits.
 REFERENCE_ATOL = 1e-4
 # fp32 loss values recomputed in another summation order.
 FP32_LOSS_ATOL = 1e-6
@@ -271,8 +271,9 @@ def test_capacity_padding_counts_only_real_assignments_for_the_expert_bias(paddi
     assert (probs[routing_map] > 0).sum().item() == 10  # 12 kept rows, 2 of them zero-prob fillers
     dropping(REFERENCE_LOGITS, padding_mask=padding_mask)
     expected = _kept_assignment_counts(REFERENCE_LOGITS, 3, padding_mask, score_func="sigmoid")
-    # Filler rows are not load (a deliberate difference from upstream, which counts them, ref. 2.7):
-    # counted, every expert would hold exactly `capacity` rows and the bias would never move.
+    # Filler rows are not load (a deliberate difference from upstream, which counts them,
+    # docs/numerics.md §7): counted, every expert would hold exactly `capacity` rows and the bias
+    # would never move.
     assert padded.local_tokens_per_expert.tolist() == expected
     assert dropping.local_tokens_per_expert.tolist() == expected
     assert padded.read_metric_stats()["tokens_per_expert"].tolist() == expected

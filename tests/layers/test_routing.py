@@ -18,7 +18,7 @@ from lightning_moe.layers.router import (
     update_expert_bias,
 )
 
-# Reference values of section 2.13 are printed with 4 significant digits.
+# Reference values of docs/numerics.md §15 are printed with 4 significant digits.
 REFERENCE_ATOL = 1e-4
 # fp32 routing probabilities against a float64 Python oracle: a few ulps.
 FP32_PROB_ATOL = 1e-6

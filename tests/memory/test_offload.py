@@ -34,7 +34,7 @@ from lightning_moe.memory import (
 )
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 
-OUT_TOL = dict(rtol=1e-5, atol=1e-6)  # DESIGN.md section 4, fp32
+OUT_TOL = dict(rtol=1e-5, atol=1e-6)  # docs/architecture.md §9, fp32
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
 VOCAB, HIDDEN, HEADS, FFN, EXPERTS, TOP_K, BATCH, SEQ = 64, 32, 4, 16, 4, 2, 2, 12
 TOKENS = BATCH * SEQ

@@ -32,7 +32,7 @@ from lightning_moe.memory import (
 )
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 
-# fp32 tolerances of DESIGN.md section 4. Recompute reorders nothing except the activation's
+# fp32 tolerances of docs/architecture.md §9. Recompute reorders nothing except the activation's
 # backward (recomputed from the fc1 output instead of read back), a few ulps.
 OUT_TOL = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)

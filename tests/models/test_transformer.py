@@ -29,7 +29,7 @@ from lightning_moe.models import config as config_module
 VOCAB, HIDDEN, HEADS, KV_HEADS, EXPERTS = 256, 64, 4, 2, 4
 BATCH, SEQ = 2, 12
 # fp32 outputs computed by kernels whose blocking may depend on other tokens (the expert GEMMs
-# group tokens by their routed expert): a few ulps (DESIGN.md section 4).
+# group tokens by their routed expert): a few ulps (docs/architecture.md §9).
 FP32_TOL = 1e-5
 
 

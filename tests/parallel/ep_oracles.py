@@ -2,7 +2,7 @@
 
 Every rank of a distributed test knows the tokens of *all* ranks (they come from one seeded
 generator), so it can compute on its own what the one-device `MoELayer` says each rank's share
-must be. The oracles follow DESIGN.md section 4 and reference sections 2.4-2.7:
+must be. The oracles follow docs/architecture.md §9 and docs/numerics.md §4-§7:
 
 * dropless routing: the layer applied to the gathered global batch (ranks' tokens concatenated);
 * capacity dropping / drop-and-pad: the layer applied to each rank's own tokens (capacity is per
@@ -142,7 +142,7 @@ def layer_grads(layer: MoELayer) -> dict[str, Tensor]:
 def expert_block(
     full: Tensor, name: str, ep_rank: int, num_local: int, etp_rank: int, etp_size: int, gated: bool
 ) -> Tensor:
-    """The block of a global expert tensor that one (EP, ETP) rank holds (DESIGN.md section 2).
+    """The block of a global expert tensor that one (EP, ETP) rank holds (docs/architecture.md §6).
 
     Local experts ``[ep_rank * num_local, (ep_rank + 1) * num_local)``; with ETP, of ``fc1_weight``
     ``[E, 2F, H]`` (gated) the ``etp_rank``-th block of the F gate rows followed by the same block

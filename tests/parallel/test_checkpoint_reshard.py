@@ -7,7 +7,7 @@ Save, on every rank of a parallelized model (gloo or nccl)::
     import torch.distributed.checkpoint as dcp
     dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)
 
-``model.state_dict()`` holds the public format of DESIGN.md section 2 with *global* shapes: the
+``model.state_dict()`` holds the public format of docs/architecture.md §6 with *global* shapes: the
 expert tensors are DTensors on ``ctx.expert_mesh`` sharded over EP (and ETP), everything else
 plain tensors (replicated; DCP writes one copy).
 
@@ -113,7 +113,7 @@ def build_model(fc2_bias: bool) -> TwoMoE:
 
 
 def public_format(fc2_bias: bool) -> dict[str, tuple[int, ...]]:
-    """Keys and global shapes of DESIGN.md section 2 for `TwoMoE`, at every layout."""
+    """Keys and global shapes of docs/architecture.md §6 for `TwoMoE`, at every layout."""
     fmt = {}
     for i in (0, 1):
         fmt[f"layers.{i}.router.weight"] = (E, H)

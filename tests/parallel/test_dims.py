@@ -23,8 +23,8 @@ def consecutive(world: int, size: int) -> list[list[int]]:
     return [list(range(start, start + size)) for start in range(0, world, size)]
 
 
-# Reference section 3.3, examples A-H (output of Megatron's RankGenerator), order tp-cp-ep-dp-pp
-# unless stated. Every group the reference lists for an example is spelled out here.
+# Examples A-H of docs/numerics.md §14 (output of Megatron's RankGenerator), order tp-cp-ep-dp-pp
+# unless stated. Every group Megatron builds for an example is spelled out here.
 WORKED_EXAMPLES = {
     "A": (
         dict(world_size=8, tp=2, etp=1, ep=4),
@@ -189,7 +189,7 @@ def test_immutable_picklable_and_returns_copies():
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent oracle: the RankGenerator algorithm as reference section 3.1 states it
+# Independent oracle: the RankGenerator algorithm as docs/numerics.md §14 states it
 
 # Group name -> (generator, axes the group spans); the expert generator reads tp as ETP, dp as EDP.
 MEGATRON_GROUPS = {

@@ -2,7 +2,7 @@
 
 Every test forks gloo ranks; each rank builds the one-device layer from a seed, copies it,
 parallelises the copy and runs its own tokens through it. Because all ranks' tokens come from one
-seeded generator, each rank also computes the oracle of DESIGN.md section 4 by itself
+seeded generator, each rank also computes the oracle of docs/architecture.md §9 by itself
 (``ep_oracles.py``) and reports measured differences; the parent checks them against the named
 tolerances and lists every failing (case, rank, quantity) at once. Several cases run per launch.
 

@@ -1,13 +1,13 @@
 """`Trainer.fit` with `MoEStrategy` on 4 forked gloo ranks equals the single-process run, step by step.
 
-Oracle (DESIGN.md section 4): :func:`strategies.toy.reference_run`, plain PyTorch in one process,
+Oracle (docs/architecture.md §9): :func:`strategies.toy.reference_run`, plain PyTorch in one process,
 trains the same one-device model (same seed, so the same initial weights at every layout) on the
 same global batches: each optimizer step averages the gradients of the ``DP`` data-parallel shards
 (as the DistributedSampler that Lightning injects deals them; it always shuffles training data, see
 ``strategies.toy.sample_indices``) and
 of the accumulated micro-batches, clips by the norm of the whole model's gradient and takes an
 AdamW step. With load-balancing losses, each shard's aux loss is computed on that shard's tokens
-only, as upstream computes it per data-parallel rank (ref. 2.5.4).
+only, as upstream computes it per data-parallel rank (docs/numerics.md §5.4).
 
 Per case we compare: the samples each rank saw; per micro-batch, the mean of the 4 ranks' local
 losses against the loss of the concatenated global batch; per optimizer step, the full gradient

@@ -294,7 +294,7 @@ def reference_run(
     samples, sharded as Lightning's DistributedSampler deals them (:func:`sample_indices`, epoch 0). The gradient is the average over
     micro-batches and data-parallel shards of each shard's own gradient, the shard being run
     through the model on its own: that is the data-parallel objective, and it is also how the
-    auxiliary losses are defined upstream (statistics per data-parallel rank, ref. 2.5.4), while
+    auxiliary losses are defined upstream (statistics per data-parallel rank, docs/numerics.md §5.4), while
     for the main loss it equals the gradient of the loss over the concatenated global batch (equal
     shard sizes). Clipping uses the norm of the whole model's gradient.
     """

@@ -1,6 +1,6 @@
 """All-to-all token dispatcher over expert parallelism (EP), with expert tensor parallelism (ETP).
 
-Token flow (reference ``megatron-core-moe.md`` sections 2.9 and 3.4), per micro-batch:
+Token flow (docs/numerics.md §8 and §10), per micro-batch:
 
 1. permutation 1: this rank's routed (token, expert) rows in expert-major order, so the rows
    for each EP rank are contiguous;
