@@ -20,18 +20,21 @@ the whole global batch. The same holds for data parallelism without ``MoEStrateg
 world group). (``MoEStrategy`` refuses TP > 1 for MoE layers outside the reference model's
 tensor-parallel plan, which would route the same tokens on every TP rank.)
 
-Loss values follow Megatron's tracker (reference 1.3 and 2.5.5): per rank the mean over the
-recorded micro-batches; summed over the loss's reduce group and averaged over data parallelism.
-A rank's ``load_balancing_loss`` / ``seq_load_balancing_loss`` is its share of its TP x CP
-group's loss, so the value is ``sum over ranks / DP``; ``global_load_balancing_loss`` shares add
-up over TP x DP x CP, so it is ``sum over ranks``; ``z_loss`` is each rank's own mean, so it is
+Loss values follow Megatron-LM's tracker (``save_to_aux_losses_tracker``,
+``reduce_aux_losses_tracker_across_ranks`` and ``track_moe_metrics`` in
+``megatron/core/transformer/moe/moe_utils.py``): per rank the mean over the recorded
+micro-batches; summed over the loss's reduce group and averaged over data parallelism. A rank's
+``load_balancing_loss`` / ``seq_load_balancing_loss`` is its share of its TP x CP group's loss,
+so the value is ``sum over ranks / DP``; ``global_load_balancing_loss`` shares add up over
+TP x DP x CP, so it is ``sum over ranks``; ``z_loss`` is each rank's own mean, so it is
 ``sum over ranks / (TP * CP * DP)`` (upstream records ``z / (TP*CP)`` summed over TP x CP and then
 averages over DP: the same number). The overall value is the mean over the layers, as upstream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -180,6 +183,31 @@ class ExpertLoadMetric(Metric):
         # Python integers: a kernel with a scalar argument, no host-to-device copy.
         self.dispatch_bytes[layer] += int(dispatch_bytes)
         self.combine_bytes[layer] += int(combine_bytes)
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        """torchmetrics' compute wrapper (sync, cache), then the documented shapes restored.
+
+        torchmetrics squeezes every one-element tensor of the result (``[1] -> []``), which turns
+        the ``[L]`` results of a one-layer metric and the ``[E]`` / ``[L, E]`` ones of a
+        one-expert metric into scalars. Overriding this hook (as torchmetrics'
+        ``CompositionalMetric`` does) rather than wrapping ``compute`` once in ``__init__`` keeps
+        the fix after a copy or unpickling, which wrap ``compute`` again.
+        """
+        wrapped = super()._wrap_compute(compute)
+
+        @functools.wraps(wrapped)
+        def with_shapes(*args, **kwargs) -> dict[str, Tensor]:
+            return self._restore_shapes(wrapped(*args, **kwargs))
+
+        return with_shapes
+
+    def _restore_shapes(self, result: dict[str, Tensor]) -> dict[str, Tensor]:
+        layers, experts = self.num_layers, self.num_experts
+        shapes = {"tokens_per_expert": (layers, experts), "tokens_per_expert_total": (experts,)}
+        per_layer = ("imbalance", "dropped_fraction", "router_entropy", "tokens", "dispatch_bytes", "combine_bytes",
+                     *LOGGED_LOSS_NAMES)
+        shapes.update(dict.fromkeys(per_layer, (layers,)))
+        return {key: value.reshape(shapes[key]) if key in shapes else value for key, value in result.items()}
 
     def _loss_divisors(self) -> list[float]:
         sizes = {"dp": self.data_parallel_size, "one": 1, "world": self.data_parallel_size * self.tp_cp_size}

@@ -1,32 +1,24 @@
-"""Tests of the load-balance statistics: router buffers, `ExpertLoadMetric` math, heatmap and PNG.
+"""Tests of the load-balance statistics: router buffers and `ExpertLoadMetric` math.
 
 Oracles are hand-computed: counts from routing decisions written out by hand, entropies with
-Python's ``math`` (not the torch code under test), loss reductions from Megatron's rule (reference
-2.5.5) written as arithmetic on the per-rank values, and PNG files decoded with ``zlib`` and
-``struct`` following the PNG specification.
+Python's ``math`` (not the torch code under test), and loss reductions from Megatron-LM's rule
+(``reduce_aux_losses_tracker_across_ranks`` in ``megatron/core/transformer/moe/moe_utils.py``)
+written as arithmetic on the per-rank values. The heatmap is tested in ``test_heatmap.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
-from metrics.png import decode_png
 from torch.utils.checkpoint import checkpoint
 
 from lightning_moe import MoEConfig
 from lightning_moe.layers.router import LOGGED_LOSS_NAMES, TopKRouter
 from lightning_moe.layers.router_metrics import METRIC_STAT_NAMES, normalised_scores
-from lightning_moe.metrics import (
-    ExpertLoadMetric,
-    encode_png,
-    flatten_for_logging,
-    read_layer_stats,
-    render_heatmap,
-    write_png,
-)
-from lightning_moe.metrics.heatmap import VIRIDIS_ANCHORS, colormap
+from lightning_moe.metrics import ExpertLoadMetric, flatten_for_logging, read_layer_stats
 
 # Counts are exact; fp32 entropies and ratios against float64 Python arithmetic.
 FP32_ATOL = 1e-6
@@ -279,6 +271,35 @@ def test_flatten_for_logging_names():
     assert set(compact) >= {"x/imbalance_max", "x/dropped_fraction", "x/router_entropy", "x/dispatch_bytes"}
 
 
+@pytest.mark.parametrize(("layers", "experts"), [(1, 4), (2, 1), (1, 1)], ids=["one-layer", "one-expert", "both"])
+def test_one_layer_or_one_expert_keeps_the_documented_shapes(layers, experts):
+    """torchmetrics squeezes one-element results ([1] -> []): the metric must undo that for its own."""
+    metric = ExpertLoadMetric(layers, experts)
+    sums, counts = _loss_buffers({"z_loss": 0.5})
+    for layer in range(layers):
+        metric.update(layer, _stats([3] * experts, dropped=1, entropy=1.5, tokens=3, top_k=1),
+                      loss_sums=sums, loss_counts=counts, dispatch_bytes=8)
+    # A copy goes through Metric.__setstate__, which wraps compute() again.
+    for out in (metric.compute(), copy.deepcopy(metric).compute()):
+        assert out["tokens_per_expert"].shape == (layers, experts)
+        assert out["tokens_per_expert"].tolist() == [[3] * experts] * layers
+        assert out["tokens_per_expert_total"].tolist() == [3 * layers] * experts
+        for name in ("imbalance", "dropped_fraction", "router_entropy", "tokens", "dispatch_bytes",
+                     "combine_bytes", "z_loss"):
+            assert out[name].shape == (layers,), name
+        for name in ("imbalance_max", "dropped_fraction_total", "router_entropy_mean", "z_loss_mean"):
+            assert out[name].shape == (), name
+        torch.testing.assert_close(out["imbalance"], torch.ones(layers))
+        torch.testing.assert_close(out["dropped_fraction"], torch.full((layers,), 1 / (3 * experts + 1)))
+    flat = flatten_for_logging(metric.compute())
+    assert flat["moe/imbalance_max"] == 1.0
+    assert flat["moe/tokens"] == 3.0 * layers
+    assert [flat[f"moe/tokens_per_expert/{e}"] for e in range(experts)] == [3.0 * layers] * experts
+    assert flat[f"moe/layer_{layers - 1}/tokens_per_expert/{experts - 1}"] == 3.0
+    assert flat[f"moe/layer_{layers - 1}/z_loss"] == pytest.approx(0.5)
+    assert f"moe/layer_{layers}/imbalance" not in flat
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "match"),
     [
@@ -298,58 +319,3 @@ def test_metric_update_errors():
     with pytest.raises(ValueError, match=r"shape \(2,\), expected \(4,\)"):
         metric.update(0, _stats([1, 1]))
 
-
-# -- heatmap and PNG -----------------------------------------------------------------------------
-
-
-def test_png_round_trip(tmp_path):
-    image = torch.randint(0, 256, (7, 5, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    path = write_png(tmp_path / "sub" / "x.png", image)
-    assert path.exists()
-    assert torch.equal(decode_png(path.read_bytes()), image)
-    assert torch.equal(decode_png(encode_png(image[:, :1].contiguous())), image[:, :1])
-
-
-def test_heatmap_cells_show_the_loads():
-    matrix = torch.tensor([[0, 10, 20, 30, 40, 50, 60, 80], [80, 5, 5, 5, 200, 5, 5, 5]])
-    cell = 10
-    image = render_heatmap(matrix, cell_size=cell, vmin=0, vmax=200, axes=False)
-    assert image.shape == (2 * cell, 8 * cell, 3) and image.dtype == torch.uint8
-    centres = image[cell // 2 :: cell, cell // 2 :: cell]  # one pixel per cell
-    assert torch.equal(centres, colormap(matrix / 200.0))
-    assert centres[0, 0].tolist() == list(VIRIDIS_ANCHORS[0]) and centres[1, 4].tolist() == list(VIRIDIS_ANCHORS[-1])
-    assert image[cell - 1, 0].tolist() == [255, 255, 255]  # 1-pixel white separator between cells
-    # Default scale: 0 .. max; cells of a 2 x 8 matrix are large enough to see.
-    auto = render_heatmap(matrix.float())
-    assert auto.shape[0] >= 80 and auto.shape[1] >= 300
-    assert (auto == 255).all(-1).any()  # white margins with the axis labels
-    assert torch.equal(decode_png(encode_png(auto)), auto)
-
-
-def test_colormap_is_monotone_in_luminance():
-    luminance = colormap(torch.linspace(0, 1, 101)).float() @ torch.tensor([0.2126, 0.7152, 0.0722])
-    assert (luminance.diff() >= 0).all()
-    assert colormap(torch.tensor([-1.0, 2.0, float("nan")])).tolist() == [
-        list(VIRIDIS_ANCHORS[0]), list(VIRIDIS_ANCHORS[-1]), list(VIRIDIS_ANCHORS[0])
-    ]
-
-
-def test_heatmap_handles_many_experts_and_constant_matrices():
-    big = render_heatmap(torch.arange(24 * 64).view(24, 64))
-    assert 300 <= big.shape[1] <= 800
-    flat = render_heatmap(torch.full((2, 8), 5), axes=False, cell_size=3)
-    assert flat.shape == (6, 24, 3)
-
-
-@pytest.mark.parametrize(
-    ("call", "match"),
-    [
-        (lambda: render_heatmap(torch.zeros(4)), r"non-empty 2-D matrix"),
-        (lambda: render_heatmap(torch.zeros(2, 2), cell_size=0), r"cell_size must be >= 1"),
-        (lambda: encode_png(torch.zeros(4, 4, 3)), r"uint8 tensor of shape \[height, width, 3\]"),
-        (lambda: encode_png(torch.zeros(4, 4, dtype=torch.uint8)), r"uint8 tensor of shape"),
-    ],
-)
-def test_heatmap_errors(call, match):
-    with pytest.raises(ValueError, match=match):
-        call()
