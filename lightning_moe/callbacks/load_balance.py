@@ -4,10 +4,17 @@ A thin Lightning callback over :class:`~lightning_moe.metrics.ExpertLoadMetric`.
 accumulate their statistics in buffers once per training micro-batch (and skip recomputed
 forwards), so the callback does nothing per batch: every ``log_every_n_steps`` optimizer steps it
 reads and resets every `MoELayer` (router statistics, coefficient-free losses, dispatcher bytes),
-sums them over the ranks of the layout with the metric, logs scalars through the Trainer's loggers
-on global rank zero and, every ``heatmap_every_n_steps``, the layers x experts load heatmap: an
-image for TensorBoard (``add_image``), a PNG ``<log_dir>/expert_load_step<N>.png`` for every other
-logger (``default_root_dir`` without loggers).
+sums them over the ranks of the layout with the metric, logs scalars and, every
+``heatmap_every_n_steps``, the layers x experts load heatmap (matplotlib, the ``plot`` extra): a
+figure for TensorBoard (``add_figure``) and W&B (``log_image``), a PNG
+``<log_dir>/expert_load_step<N>.png`` for every other logger (``default_root_dir`` without
+loggers). The last window's heatmap is also drawn when training ends, whatever the step count.
+
+Scalars go through ``LightningModule.log`` when Lightning writes its own step metrics after the
+batch (``Trainer(log_every_n_steps=...)``), so a CSVLogger puts them on the row of
+``self.log(..., on_step=True)`` values such as ``train_loss``. Otherwise (a report between the
+Trainer's log steps, or the last partial window, reported in ``on_train_end``) they are written to
+the loggers directly, under the same row number and with the epoch, as Lightning would.
 
 Works with any strategy: under ``MoEStrategy`` the counts are summed over the ranks of a pipeline
 stage (``tp_dp_cp``) with the losses reduced as Megatron Core reports them; elsewhere over the
@@ -23,12 +30,18 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.metrics.heatmap import render_heatmap, write_png
+from lightning_moe.metrics.heatmap import (
+    HEATMAP_EXTRA_HINT,
+    figure_to_rgb,
+    heatmap_available,
+    render_heatmap,
+    save_heatmap,
+)
 from lightning_moe.metrics.load_balance import (
     ExpertLoadMetric,
     flatten_for_logging,
@@ -51,7 +64,9 @@ class LoadBalanceMonitor(Callback):
         log_every_n_steps: optimizer steps per report window; None logs no scalars (then
             ``heatmap_every_n_steps`` sets the window).
         heatmap_every_n_steps: also emit the expert-load heatmap of the window every this many
-            steps (a multiple of ``log_every_n_steps``); None = no heatmap.
+            steps (a multiple of ``log_every_n_steps``), and the last window's at the end of
+            training; None = no heatmap. Needs matplotlib (``pip install 'lightning-moe[plot]'``);
+            without it training warns once and draws none.
         per_layer: log every statistic per layer too (``<prefix>layer_<i>/...``).
         prefix: prefix of every logged name.
         log_expert_counts: log tokens per expert as scalars (``<prefix>tokens_per_expert/<e>``,
@@ -64,7 +79,8 @@ class LoadBalanceMonitor(Callback):
     names (``moe/load_balancing_loss``, ``moe/seq_load_balancing_loss``,
     ``moe/global_load_balancing_loss``, ``moe/z_loss``; coefficient-free, mean over layers), and
     per layer ``moe/layer_<i>/imbalance`` etc. Each value covers the window since the previous
-    report, summed over micro-batches and ranks. The same values are put in
+    report, summed over micro-batches and ranks; the row (logger step) of optimizer step ``k`` is
+    ``k - 1``, as for ``self.log`` (module docstring). The same values are put in
     ``trainer.callback_metrics`` (so ``ModelCheckpoint`` can monitor them) and in
     :attr:`last_metrics`; :attr:`last_result` holds the metric's tensors (every rank) and
     :attr:`heatmap_paths` the PNG files written.
@@ -103,6 +119,11 @@ class LoadBalanceMonitor(Callback):
         self._metric: ExpertLoadMetric | None = None
         self._last_report_step = 0
         self._pending_bytes: list[list[int]] = []
+        self._draw_heatmaps = heatmap_every_n_steps is not None
+        self._last_window: tuple[int, int] | None = None  # (first, last) optimizer step of the last report
+        self._heatmap_step: int | None = None  # last step whose heatmap was emitted
+        self._batch_epoch = 0  # epoch of the last training batch (the rows' epoch)
+        self._logged_keys: list[str] = []  # Lightning result keys of the last report logged with self.log
 
     @property
     def _window(self) -> int:
@@ -113,6 +134,7 @@ class LoadBalanceMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._layers = moe_layers(pl_module)
         self._metric = None
+        self._last_window = self._heatmap_step = None
         if not self._layers:
             rank_zero_warn("LoadBalanceMonitor: the LightningModule has no MoELayer; nothing will be logged.")
             return
@@ -122,6 +144,14 @@ class LoadBalanceMonitor(Callback):
                 f"LoadBalanceMonitor needs the same num_experts in every MoE layer (one heatmap row per layer), "
                 f"got {sorted(experts)}."
             )
+        if self.heatmap_every_n_steps is not None:
+            self._draw_heatmaps = heatmap_available()
+            if not self._draw_heatmaps:
+                rank_zero_warn(
+                    f"LoadBalanceMonitor(heatmap_every_n_steps={self.heatmap_every_n_steps}): matplotlib is not "
+                    f"installed, so no expert-load heatmap will be drawn (the scalars are logged as usual); "
+                    f"{HEATMAP_EXTRA_HINT}."
+                )
         ctx = getattr(trainer.strategy, "parallel_context", None)
         if ctx is not None:
             group, dp, tp_cp = ctx.group("tp_dp_cp"), ctx.size("dp"), ctx.size("tp_cp")
@@ -157,14 +187,41 @@ class LoadBalanceMonitor(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        if self._metric is None or step == self._last_report_step or step % self._window:
-            return  # accumulating micro-batch, or not a report step
-        self._report(trainer, step)
+        self._batch_epoch = trainer.current_epoch  # on_train_end sees the next epoch's number
+        if self._metric is None or step == self._last_report_step:
+            return  # accumulating micro-batch
+        last_step = 0 < trainer.max_steps <= step  # the fit loop stops after this batch
+        if step % self._window and not last_step:
+            return
+        # Lightning numbers this batch's rows by the optimizer steps taken before it (private
+        # counter; ``global_step`` already counts the step just taken).
+        self._report(trainer, step, row=trainer.fit_loop.epoch_loop._batches_that_stepped, pl_module=pl_module)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._forget_logged(trainer)
+
+    def _forget_logged(self, trainer: Trainer) -> None:
+        """Take the last report out of Lightning's step results once they have been written.
+
+        Lightning writes every ``on_step`` value logged earlier in the epoch again at each of its
+        log steps until the epoch ends; the report would then repeat on later rows as if it were
+        theirs. Resetting its entries (private ``_ResultCollection``, keys ``<hook>.<name>``)
+        leaves them out until the next report logs them afresh.
+        """
+        results = trainer._results if self._logged_keys else None
+        for key in self._logged_keys if results is not None else ():
+            if key in results:
+                results[key].reset()
+        self._logged_keys = []
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Report the last, partial window (every rank reaches this point: the sync is safe).
+        # The last, partial window (every rank reaches this point: the sync is safe), on the row of
+        # the last optimizer step; then the last window's heatmap if it was not drawn yet.
         if self._metric is not None and trainer.global_step > self._last_report_step:
-            self._report(trainer, trainer.global_step)
+            row = max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1)
+            self._report(trainer, trainer.global_step, row=row, pl_module=None)
+        if self._draw_heatmaps and self._last_window is not None and self._heatmap_step != self._last_window[1]:
+            self._heatmap(trainer, row=max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1))
 
     def _collect(self) -> None:
         metric = self._metric
@@ -175,8 +232,12 @@ class LoadBalanceMonitor(Callback):
             self._pending_bytes[index] = [0, 0]
             metric.update(index, **stats)
 
-    def _report(self, trainer: Trainer, step: int) -> None:
-        """Sum the window over the ranks (a collective: every rank calls it) and log it."""
+    def _report(self, trainer: Trainer, step: int, row: int, pl_module: LightningModule | None) -> None:
+        """Sum the window over the ranks (a collective: every rank calls it) and log it on ``row``.
+
+        ``pl_module`` is given inside the training loop, where ``LightningModule.log`` may be used.
+        """
+        self._last_window = (self._last_report_step + 1, step)
         self._last_report_step = step
         self._collect()
         result = self._metric.compute()
@@ -187,24 +248,50 @@ class LoadBalanceMonitor(Callback):
                 self.last_result, self.prefix, per_layer=self.per_layer, expert_counts=self.log_expert_counts
             )
             trainer.callback_metrics.update({k: torch.tensor(v) for k, v in self.last_metrics.items()})
-            if trainer.is_global_zero:
-                for logger in trainer.loggers:
-                    logger.log_metrics(self.last_metrics, step=step)
-                    logger.save()
-        if self.heatmap_every_n_steps is not None and step % self.heatmap_every_n_steps == 0 and trainer.is_global_zero:
-            image = render_heatmap(self.last_result["tokens_per_expert"])
-            self.heatmap_paths += self._emit_heatmap(trainer.loggers, trainer.default_root_dir, image, step)
+            self._log_scalars(trainer, row, pl_module)
+        if self._draw_heatmaps and step % self.heatmap_every_n_steps == 0:
+            self._heatmap(trainer, row)
 
-    def _emit_heatmap(self, loggers: list, default_dir: str | Path, image: Tensor, step: int) -> list[Path]:
-        """TensorBoard loggers get ``add_image``; every other logger's folder (or ``default_dir``) a PNG."""
+    def _log_scalars(self, trainer: Trainer, row: int, pl_module: LightningModule | None) -> None:
+        # Lightning writes its step metrics after this batch only on its own log steps (the same
+        # test as its logger connector's); there ``self.log`` puts the values on the row of the
+        # module's own step values. float64 CPU tensors: exact counts and no device round trip.
+        # Without loggers nothing is written either way (and ``self.log`` would warn per name).
+        connector = trainer._logger_connector
+        writes = connector.should_update_logs or trainer.fast_dev_run
+        if pl_module is not None and trainer.loggers and writes:
+            values = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.last_metrics.items()}
+            pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
+            self._logged_keys = [f"{pl_module._current_fx_name}.{name}" for name in values]
+            return
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({**self.last_metrics, "epoch": self._batch_epoch}, step=row)
+                logger.save()
+
+    def _heatmap(self, trainer: Trainer, row: int) -> None:
+        """Draw the last window's heatmap on global rank zero and hand it to the loggers."""
+        first, step = self._last_window
+        self._heatmap_step = step
+        if not trainer.is_global_zero:
+            return
+        figure = render_heatmap(self.last_result["tokens_per_expert"], step=step, first_step=first)
+        self.heatmap_paths += self._emit_heatmap(trainer.loggers, trainer.default_root_dir, figure, step, row)
+
+    def _emit_heatmap(self, loggers: list, default_dir: str | Path, figure: Any, step: int, row: int) -> list[Path]:
+        """TensorBoard gets ``add_figure``, W&B ``log_image`` (at logger step ``row``); every other
+        logger's folder (or ``default_dir`` without loggers) a PNG named after optimizer step ``step``."""
+        tag = f"{self.prefix}expert_load"
         folders: list[Path] = []
         for logger in loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_image(f"{self.prefix}expert_load", image, global_step=step, dataformats="HWC")
-                continue
-            folder = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None) or default_dir
-            folders.append(Path(folder))
+                logger.experiment.add_figure(tag, figure, global_step=row, close=False)
+            elif isinstance(logger, WandbLogger):
+                logger.log_image(key=tag, images=[figure_to_rgb(figure)], step=row)
+            else:
+                folder = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None) or default_dir
+                folders.append(Path(folder))
         if not loggers:
             folders.append(Path(default_dir))
         unique = list(dict.fromkeys(folders))
-        return [write_png(folder / f"expert_load_step{step}.png", image) for folder in unique]
+        return [save_heatmap(folder / f"expert_load_step{step}.png", figure) for folder in unique]

@@ -1,6 +1,6 @@
 """torchmetrics Metrics of MoE training (no Lightning import): expert load and its heatmap."""
 
-from lightning_moe.metrics.heatmap import encode_png, render_heatmap, write_png
+from lightning_moe.metrics.heatmap import figure_to_rgb, heatmap_available, render_heatmap, save_heatmap
 from lightning_moe.metrics.load_balance import (
     ExpertLoadMetric,
     flatten_for_logging,
@@ -10,10 +10,11 @@ from lightning_moe.metrics.load_balance import (
 
 __all__ = [
     "ExpertLoadMetric",
-    "encode_png",
+    "figure_to_rgb",
     "flatten_for_logging",
+    "heatmap_available",
     "moe_layers",
     "read_layer_stats",
     "render_heatmap",
-    "write_png",
+    "save_heatmap",
 ]

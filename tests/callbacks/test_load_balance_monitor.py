@@ -1,6 +1,6 @@
 """`LoadBalanceMonitor` in real Trainer runs: one process with a CSVLogger, and forked gloo ranks.
 
-Oracle (DESIGN.md section 4): the single-device model (`strategies.toy.ToyNet`, same seed, so the
+Oracle: the single-device model (`strategies.toy.ToyNet`, same seed, so the
 same weights at every layout) run over the same global micro-batches, its routers' statistics
 read directly. The learning rate is 0, so the weights stay at their initial values and every
 micro-batch of a run is routed by the same model as in the oracle. Under MoEStrategy each
@@ -13,22 +13,23 @@ from __future__ import annotations
 
 import csv
 import math
-import shutil
+import sys
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from helpers.dist import run_distributed
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from metrics.png import decode_png
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from strategies.toy import ToyNet, loss_fn, make_dataset, quiet_trainer_kwargs, sample_indices, train_loader
 
 from lightning_moe.callbacks import LoadBalanceMonitor
 from lightning_moe.layers.router import LOGGED_LOSS_NAMES
-from lightning_moe.metrics import render_heatmap
+from lightning_moe.metrics import figure_to_rgb, render_heatmap
 from lightning_moe.strategies import MoEStrategy
 
+PIL_Image = pytest.importorskip("PIL.Image", reason="Pillow (a matplotlib dependency) reads the heatmap PNGs")
 LOSS_CONFIG = {"load_balancing": ["aux_loss"], "aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3}
 # fp32 loss values summed in another order (over ranks and micro-batches) than in the oracle.
 LOSS_RTOL = 1e-5
@@ -96,7 +97,8 @@ def test_single_process_run_logs_metrics_and_heatmap(tmp_path):
 
     rows = _read_csv(Path(logger.log_dir) / "metrics.csv")
     logged = [row for row in rows if row.get("moe/imbalance_max")]
-    assert [int(row["step"]) for row in logged] == [1, 2]
+    assert [int(row["step"]) for row in logged] == [0, 1]  # optimizer step k is Lightning's row k - 1
+    assert all(row["epoch"] == "0" for row in logged)
     last = logged[-1]
     for name in ("moe/imbalance_mean", "moe/dropped_fraction", "moe/router_entropy", "moe/load_balancing_loss",
                  "moe/z_loss", "moe/dispatch_bytes", "moe/layer_0/imbalance", "moe/layer_1/z_loss",
@@ -107,12 +109,13 @@ def test_single_process_run_logs_metrics_and_heatmap(tmp_path):
         sum(loss["load_balancing_loss"].item() for loss in want["losses"]) / 2, rel=LOSS_RTOL
     )
 
-    # Heatmap at step 2 only, in the logger's folder, showing the window's counts.
+    # Heatmap at step 2 only, in the logger's folder, showing the window's counts: pixel for pixel
+    # the figure of the oracle's counts (drawing is deterministic), read back with Pillow.
     pngs = sorted(Path(logger.log_dir).glob("expert_load_step*.png"))
     assert [p.name for p in pngs] == ["expert_load_step2.png"] and monitor.heatmap_paths == pngs
-    image = decode_png(pngs[0].read_bytes())
-    assert torch.equal(image, render_heatmap(want["tokens_per_expert"]))
-    shutil.copy(pngs[0], "/tmp/lightning_moe_expert_load_single.png")  # for a human look
+    with PIL_Image.open(pngs[0]) as png:
+        pixels = np.asarray(png.convert("RGB"))
+    assert np.array_equal(pixels, figure_to_rgb(render_heatmap(want["tokens_per_expert"], step=2, first_step=2)))
 
 
 def test_monitor_sees_every_micro_batch_with_log_every_one(tmp_path):
@@ -127,30 +130,82 @@ def test_monitor_sees_every_micro_batch_with_log_every_one(tmp_path):
 
 
 class _FakeTensorBoard(TensorBoardLogger):
-    """A TensorBoardLogger that records add_image calls (tensorboard is not installed here)."""
+    """A TensorBoardLogger that records add_figure calls (tensorboard is not installed here)."""
 
     def __init__(self) -> None:  # deliberately not calling super().__init__: no tensorboard needed
-        self.images = []
+        self.figures = []
 
     @property
     def experiment(self):
         return self
 
-    def add_image(self, tag, image, global_step=None, dataformats="CHW"):
-        self.images.append((tag, image, global_step, dataformats))
+    def add_figure(self, tag, figure, global_step=None, close=True, walltime=None):
+        self.figures.append((tag, figure, global_step, close))
 
 
-def test_heatmap_goes_to_tensorboard_as_an_image_and_to_other_loggers_as_png(tmp_path):
+class _FakeWandb(WandbLogger):
+    """A WandbLogger that records log_image calls (wandb is not installed here)."""
+
+    def __init__(self) -> None:  # deliberately not calling super().__init__: no wandb needed
+        self.images = []
+
+    def log_image(self, key, images, step=None, **kwargs):
+        self.images.append((key, images, step))
+
+
+def test_heatmap_goes_to_tensorboard_and_wandb_as_figures_and_to_other_loggers_as_png(tmp_path):
     monitor = LoadBalanceMonitor(log_every_n_steps=None, heatmap_every_n_steps=1)
-    image = render_heatmap(torch.tensor([[1, 2], [3, 4]]))
-    tensorboard, csv_logger = _FakeTensorBoard(), CSVLogger(tmp_path / "csv")
-    paths = monitor._emit_heatmap([tensorboard, csv_logger], tmp_path / "root", image, 7)
-    assert len(tensorboard.images) == 1
-    tag, logged, step, dataformats = tensorboard.images[0]
-    assert (tag, step, dataformats) == ("moe/expert_load", 7, "HWC") and torch.equal(logged, image)
+    figure = render_heatmap(torch.tensor([[1, 2], [3, 4]]), step=7)
+    tensorboard, wandb, csv_logger = _FakeTensorBoard(), _FakeWandb(), CSVLogger(tmp_path / "csv")
+    paths = monitor._emit_heatmap([tensorboard, wandb, csv_logger], tmp_path / "root", figure, step=7, row=6)
+    # The logger step is Lightning's row number (step - 1), the file is named after the optimizer step.
+    assert tensorboard.figures == [("moe/expert_load", figure, 6, False)]
+    [(key, images, step)] = wandb.images
+    assert (key, step) == ("moe/expert_load", 6) and len(images) == 1
+    assert np.array_equal(images[0], figure_to_rgb(figure))
     assert paths == [Path(csv_logger.log_dir) / "expert_load_step7.png"] and paths[0].exists()
-    assert monitor._emit_heatmap([tensorboard], tmp_path / "root", image, 8) == []
-    assert monitor._emit_heatmap([], tmp_path / "root", image, 9) == [tmp_path / "root" / "expert_load_step9.png"]
+    with PIL_Image.open(paths[0]) as png:
+        assert np.array_equal(np.asarray(png.convert("RGB")), images[0])
+    assert monitor._emit_heatmap([tensorboard, wandb], tmp_path / "root", figure, step=8, row=7) == []
+    assert monitor._emit_heatmap([], tmp_path / "root", figure, step=9, row=8) == [
+        tmp_path / "root" / "expert_load_step9.png"
+    ]
+
+
+def test_last_window_heatmap_is_written_when_training_ends_early(tmp_path):
+    """heatmap_every_n_steps=100 but only 3 steps run: the last window (step 3) is drawn at the end."""
+    logger = CSVLogger(tmp_path, name="run")
+    monitor = LoadBalanceMonitor(log_every_n_steps=1, heatmap_every_n_steps=100)
+    trainer = L.Trainer(**quiet_trainer_kwargs(max_steps=3, callbacks=[monitor], logger=logger))
+    trainer.fit(MonitoredModule(), train_loader(make_dataset(64)))
+    assert [p.name for p in monitor.heatmap_paths] == ["expert_load_step3.png"]
+    want = oracle([[[4, 5]]])["tokens_per_expert"]  # step 3 alone: micro-batch 2
+    with PIL_Image.open(monitor.heatmap_paths[0]) as png:
+        pixels = np.asarray(png.convert("RGB"))
+    assert np.array_equal(pixels, figure_to_rgb(render_heatmap(want, step=3, first_step=3)))
+
+
+def test_heatmap_only_monitor_draws_the_partial_last_window(tmp_path):
+    monitor = LoadBalanceMonitor(log_every_n_steps=None, heatmap_every_n_steps=2)
+    trainer = L.Trainer(**quiet_trainer_kwargs(max_epochs=1, limit_train_batches=3, callbacks=[monitor],
+                                               default_root_dir=tmp_path))
+    trainer.fit(MonitoredModule(), train_loader(make_dataset(64)))
+    assert [p.name for p in monitor.heatmap_paths] == ["expert_load_step2.png", "expert_load_step3.png"]
+    assert monitor.last_metrics == {}  # no scalars asked for
+
+
+def test_without_matplotlib_training_warns_once_and_draws_no_heatmap(tmp_path, monkeypatch):
+    for name in ("matplotlib.figure", "matplotlib.backends.backend_agg"):  # as if the extra were missing
+        monkeypatch.setitem(sys.modules, name, None)
+    logger = CSVLogger(tmp_path, name="run")
+    monitor = LoadBalanceMonitor(log_every_n_steps=1, heatmap_every_n_steps=1)
+    trainer = L.Trainer(**quiet_trainer_kwargs(max_steps=3, callbacks=[monitor], logger=logger))
+    with pytest.warns(UserWarning, match=r"matplotlib is not installed.*pip install 'lightning-moe\[plot\]'") as record:
+        trainer.fit(MonitoredModule(), train_loader(make_dataset(64)))
+    assert sum("matplotlib" in str(w.message) for w in record) == 1
+    assert monitor.heatmap_paths == [] and list(Path(logger.log_dir).glob("*.png")) == []
+    rows = [row for row in _read_csv(Path(logger.log_dir) / "metrics.csv") if row.get("moe/imbalance_max")]
+    assert len(rows) == 3  # the scalars are unaffected
 
 
 @pytest.mark.parametrize(
