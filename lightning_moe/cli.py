@@ -1,37 +1,160 @@
-"""``lightning-moe``: train the reference MoE language model from a YAML file.
+"""``lightning-moe``: train any LightningModule with MoE layers from a YAML file, export its weights.
 
     lightning-moe fit --config examples/configs/tiny_cpu.yaml
-    lightning-moe fit --config examples/configs/tiny_cpu.yaml --ckpt_path last   # resume
-    lightning-moe fit --help                                                      # every option
+    lightning-moe fit --config examples/configs/tiny_cpu.yaml --trainer.logger.init_args.version=0 --ckpt_path last
+    lightning-moe fit --help                                   # every Trainer option
+    lightning-moe fit --model.help MoELanguageModel            # the reference model's options
+    lightning-moe fit --model.help MoELanguageModel --model.model.moe.help   # its MoE layers' options
+    lightning-moe export CKPT OUT                              # a checkpoint's weights as one file
 
-A LightningCLI over :class:`~lightning_moe.lit.MoELanguageModel` and
-:class:`~lightning_moe.lit.TextDataModule`; the strategy is any ``class_path`` (usually
-``lightning_moe.strategies.MoEStrategy``) or the registered name ``moe``. Field docstrings of the
-model and MoE configurations appear in ``--help``.
+A LightningCLI whose ``model:`` and ``data:`` are any LightningModule and LightningDataModule,
+named by ``class_path`` (``model: {class_path: my_project.MyModel, init_args: {...}}``); without a
+``class_path`` they are the reference :class:`~lightning_moe.lit.MoELanguageModel` and
+:class:`~lightning_moe.lit.TextDataModule`, so a ``model:`` section of plain fields configures the
+reference model (``data: null`` uses the LightningModule's own dataloaders). The strategy is any
+``class_path`` (usually ``lightning_moe.strategies.MoEStrategy``) or the registered name ``moe``.
+
+Before ``fit`` (or validate/test/predict) starts any process, the CLI checks the model against
+the strategy's layout (:func:`~lightning_moe.parallel.layout_check.check_model_layout` on a
+meta-device copy): num_experts vs EP, heads and widths vs TP, TP with a model that has no
+tensor-parallel plan. A problem is reported once, by the launching process.
+
+``--ckpt_path last`` looks in the checkpoint folder of *this* run's logger version
+(``<save_dir>/<name>/version_N/checkpoints`` unless ``ModelCheckpoint(dirpath=...)`` is set), so
+resume with the same ``--trainer.logger.init_args.version`` or an explicit path.
+
+``export`` (:mod:`lightning_moe.parallel.checkpoint_export`) writes the model's global state dict
+of a checkpoint of any layout, sharded or consolidated, as one ``torch.save`` file that loads with
+``torch.load(weights_only=True)`` and ``load_state_dict(strict=True)``; it needs no model class.
 """
 
 from __future__ import annotations
 
-from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningCLI
+import sys
+from typing import Any
+
+import lightning as L
+from jsonargparse import ArgumentParser, set_parsing_settings
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_moe.strategies  # noqa: F401  (registers strategy="moe")
-from lightning_moe.lit import MoELanguageModel, TextDataModule
+from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
+from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
+from lightning_moe.parallel.checkpoint_security import UnsafeCheckpointError
+from lightning_moe.parallel.layout_check import LayoutError, check_model_layout, meta_copy
+from lightning_moe.strategies import MoEStrategy
 
-__all__ = ["MoECLI", "cli_main", "main"]
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "MoECLI", "check_layout_before_launch", "cli_main", "export_main", "main"]
+
+DEFAULT_MODEL = "lightning_moe.lit.MoELanguageModel"
+"""The ``model:`` class when the configuration names none."""
+DEFAULT_DATA = "lightning_moe.lit.TextDataModule"
+"""The ``data:`` class when the configuration names none."""
+EXPORT_HELP = "Write a checkpoint's model weights (any layout) as one torch.save file."
+_PROG = "lightning-moe"
+# What a user can fix from the message alone: reported in one line, without a traceback.
+_EXPORT_ERRORS = (OSError, ValueError, RuntimeError, CheckpointIntegrityError, UnsafeCheckpointError)
+
+
+def export_parser() -> ArgumentParser:
+    """The parser of ``lightning-moe export``."""
+    parser = ArgumentParser(
+        prog=f"{_PROG} export",
+        description=(
+            f"{EXPORT_HELP} CKPT is a checkpoint of any layout: a sharded MoEStrategy directory (any TP/EP/ETP) "
+            "or a consolidated file. OUT gets the model's global state dict, keys as in model.state_dict() of the "
+            "single-device LightningModule: load it with torch.load(OUT, weights_only=True) and "
+            "model.load_state_dict(state, strict=True). No model class is needed; optimizer states are left out."
+        ),
+    )
+    parser.add_argument("checkpoint", metavar="CKPT", type=str, help="The checkpoint directory or file.")
+    parser.add_argument("output", metavar="OUT", type=str, help="The file to write (written atomically).")
+    parser.add_argument("--overwrite", action="store_true", help="Replace OUT if it exists (default: refuse).")
+    parser.add_argument(
+        "--no-verify", dest="no_verify", action="store_true",
+        help="Skip the SHA-256 check of every shard (completeness and sizes are still checked).",
+    )
+    return parser
+
+
+def export_main(args: list[str]) -> ExportedCheckpoint:
+    """``lightning-moe export ARGS``: export, print one line; a failure exits with status 1 and a
+    one-line message (usage errors with 2)."""
+    options = export_parser().parse_args(args)
+    try:
+        summary = export_checkpoint(options.checkpoint, options.output, overwrite=options.overwrite,
+                                    verify=not options.no_verify)
+    except _EXPORT_ERRORS as err:
+        text = err.strerror if isinstance(err, OSError) and err.strerror else str(err)  # no "[Errno 2]"
+        message = " ".join(text.split())  # one line, whatever the error's own layout
+        print(f"{_PROG} export: error: {message}", file=sys.stderr)
+        raise SystemExit(1) from err
+    print(summary.describe())
+    return summary
+
+
+def check_layout_before_launch(model: L.LightningModule | None, strategy: Any) -> None:
+    """Raise :class:`~lightning_moe.parallel.layout_check.LayoutError` if ``strategy`` (a
+    ``MoEStrategy``) cannot shard ``model``; no process is started and ``model`` is not changed.
+
+    A model whose meta-device copy cannot be made (e.g. its ``configure_model`` needs the Trainer)
+    is left to the same checks on every rank at setup.
+    """
+    if model is None or not isinstance(strategy, MoEStrategy):
+        return
+    dims = strategy.parallel_dims(strategy.num_nodes * strategy.num_processes)
+    try:
+        probe = meta_copy(model)
+    except Exception as err:
+        rank_zero_info(
+            f"lightning-moe: the layout is checked on every rank at setup instead of now: a meta-device copy "
+            f"of {type(model).__name__} could not be built ({type(err).__name__}: {err})."
+        )
+        return
+    check_model_layout(probe, dims)
 
 
 class MoECLI(LightningCLI):
-    """LightningCLI for the reference model (``lightning-moe``)."""
+    """LightningCLI for lightning_moe (``lightning-moe``): any model and data by ``class_path``,
+    the reference ones by default; layout errors before any process starts; an ``export`` command.
+
+    Use :func:`cli_main` (it dispatches ``export``, which this class does not run itself).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Default ``model:``/``data:`` classes, so sections without ``class_path`` configure the reference ones."""
+        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # Listed in `lightning-moe --help`; run by cli_main before LightningCLI parses anything.
+        subcommands = getattr(parser, "_subcommands_action", None)
+        if subcommands is not None:
+            subcommands.add_subcommand("export", export_parser(), help=EXPORT_HELP)
+
+    def after_instantiate_classes(self) -> None:
+        """Check the model against the layout before the subcommand launches any process."""
+        if self.subcommand is not None:
+            check_layout_before_launch(self.model, self.trainer.strategy)
 
 
-def cli_main(args: list[str] | None = None) -> MoECLI:
-    """Run the CLI on ``args`` (default: the command line) and return it (for tests and notebooks)."""
+def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint:
+    """Run the CLI on ``args`` (default: the command line) and return it (for tests and notebooks);
+    ``export ...`` returns what :func:`export_main` exported."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     # Field docstrings of the config dataclasses become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     return MoECLI(
-        MoELanguageModel,
-        TextDataModule,
+        L.LightningModule,
+        L.LightningDataModule,
         save_config_kwargs={"overwrite": True},
         args=args,
     )
@@ -39,7 +162,11 @@ def cli_main(args: list[str] | None = None) -> MoECLI:
 
 def main() -> None:
     """Entry point of the ``lightning-moe`` console script."""
-    cli_main()
+    try:
+        cli_main()
+    except LayoutError as err:  # a configuration error: the message says what to change
+        print(f"{_PROG}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
 
 
 if __name__ == "__main__":

@@ -1,26 +1,28 @@
 """The ``lightning-moe`` CLI end to end: the main-job config, shortened, on 4 forked gloo ranks.
 
 Every rank calls :func:`lightning_moe.cli.cli_main` in-process (the default process group exists,
-so ``MoEStrategy`` launches nothing) with ``examples/configs/tiny_cpu.yaml`` and overrides that
-keep a run to a few seconds: 8 training and 2 validation batches per epoch, a 60k-token corpus,
-no sanity check. The layout is the config's own (TP=2, ETP=1, EP=4: dense DP=2, EDP=1). Logs go
-under ``tmp_path`` (``<save_dir>/tiny_cpu/<version>/``) and checkpoints to the config's fixed
-checkpoint directory, moved under ``<save_dir>/tiny_cpu/checkpoints`` by a copy of the config
-(``MoEStrategy`` writes each checkpoint, ``last.ckpt`` included, as a directory of DCP shards plus
-``meta.pt``); every rank ``chdir``s into ``tmp_path`` first.
+so ``MoEStrategy`` launches nothing) with ``examples/configs/tiny_cpu.yaml`` as shipped and
+overrides that keep a run to a few seconds: 8 training and 2 validation batches per epoch, a
+60k-token corpus, no sanity check. The layout is the config's own (TP=2, ETP=1, EP=4: dense DP=2,
+EDP=1). Logs go under ``tmp_path`` (``<save_dir>/tiny_cpu/<version>/``), and so do checkpoints:
+the config sets no checkpoint ``dirpath``, so each run writes to its own
+``<save_dir>/tiny_cpu/<version>/checkpoints`` (``MoEStrategy`` writes each checkpoint,
+``last.ckpt`` included, as a directory of DCP shards plus ``meta.pt``); every rank ``chdir``s into
+``tmp_path`` first.
 
 * Fit (module fixture ``full_run``): 2 epochs uninterrupted (logger version ``full``).
 * Resume (one launch in the test): 1 epoch (the config's logger settings: ``version_0``), then
-  ``--ckpt_path last --trainer.max_epochs=2`` with ``--trainer.logger.init_args.version=version_0``
-  (the CSVLogger then deletes that version's ``metrics.csv`` and starts afresh, so each run's
-  metrics are read right after it). Epoch 2's per-step train losses
+  the documented resume command ``--trainer.logger.init_args.version=version_0 --ckpt_path last
+  --trainer.max_epochs=2`` (the CSVLogger then deletes that version's ``metrics.csv`` and starts
+  afresh, so each run's metrics are read right after it). Epoch 2's per-step train losses
   must equal the uninterrupted run's. The learning-rate schedule depends on ``max_epochs`` (cosine
   over ``estimated_stepping_batches``), but the config's ``warmup_steps: 20`` exceeds the 16 steps
   run here, so every step's learning rate is the same in the 1-epoch and the 2-epoch runs
   (``warmup_cosine`` is linear warm-up only).
-* Then the command documented in ``tiny_cpu.yaml``, ``lightning_moe/cli.py`` and the README for
-  resuming, ``--ckpt_path last`` alone: a new logger version, but the fixed checkpoint directory
-  holds the previous run's ``last*.ckpt``.
+* Then, in the same folder, a *different* model (4 experts instead of 8) with ``--ckpt_path last``
+  and no version: a new version whose checkpoint folder is empty, so it starts from scratch instead
+  of loading the other run's ``last.ckpt`` (a size mismatch when the folder was shared); and the
+  other documented form, an explicit ``--ckpt_path .../version_0/checkpoints/last.ckpt``.
 
 The forked ranks leave no global state in the pytest process (jsonargparse's parsing settings,
 ``rank_zero_only.rank``, ``PL_GLOBAL_SEED`` and the working directory change in the children
@@ -39,6 +41,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers.dist import run_distributed
 
 from lightning_moe.cli import cli_main
@@ -69,26 +72,15 @@ RESUME_LOSS_ATOL = 0.0
 SUBPROCESS_TIMEOUT_S = 120
 
 
-def _config_copy(root: Path) -> Path:
-    """The main-job config with its checkpoint directory under ``root/logs`` (next to the logs)."""
-    text = CONFIG.read_text()
-    fixed = "dirpath: lightning_logs/tiny_cpu/checkpoints"
-    assert fixed in text, "tiny_cpu.yaml no longer fixes the checkpoint directory"
-    copy = root / "tiny_cpu.yaml"
-    copy.write_text(text.replace(fixed, f"dirpath: {checkpoint_dir(root)}"))
-    return copy
-
-
-def checkpoint_dir(root: Path) -> Path:
-    """Where the shortened runs under ``root`` write their checkpoints."""
-    return Path(root) / "logs" / "tiny_cpu" / "checkpoints"
+def checkpoint_dir(log_dir: str | Path) -> Path:
+    """Where the run logging to ``log_dir`` writes its checkpoints (the config sets no ``dirpath``)."""
+    return Path(log_dir) / "checkpoints"
 
 
 def _fit(save_dir: str, *extra: str) -> dict:
     """One ``lightning-moe fit`` of the shortened main job; what the checks need to know about it."""
-    config = Path(save_dir).parent / "tiny_cpu.yaml"
     cli = cli_main([
-        "fit", "--config", str(config), *SHORT_RUN, f"--trainer.logger.init_args.save_dir={save_dir}", *extra,
+        "fit", "--config", str(CONFIG), *SHORT_RUN, f"--trainer.logger.init_args.save_dir={save_dir}", *extra,
     ])
     trainer = cli.trainer
     callback = trainer.checkpoint_callback
@@ -122,19 +114,21 @@ def _split(rank: int, world_size: int, root: str) -> dict:
         )
     except BaseException:  # e.g. DCP's CheckpointException (a BaseException), raised on every rank alike
         out["resumed_error"] = traceback.format_exc()  # reported by the resume test; the next run still goes
-    # The documented resume command, as typed after the runs above (2 one-batch epochs if it
-    # starts from scratch; nothing to do if it finds last.ckpt at epoch 2).
-    out["documented"] = _fit(
-        save_dir, "--trainer.max_epochs=2", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=1",
+    # Another model in the same folder, `--ckpt_path last` without a version (one 2-batch epoch;
+    # "1" would parse as the float 1.0, i.e. the whole epoch).
+    out["other_model"] = _fit(
+        save_dir, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--model.model.moe.num_experts=4",
         "--ckpt_path=last",
     )
+    # The other documented form: run 0's last.ckpt by path (already at epoch 2: nothing left to train).
+    last = checkpoint_dir(out["first"]["log_dir"]) / "last.ckpt"
+    out["explicit"] = _fit(save_dir, "--trainer.max_epochs=2", f"--ckpt_path={last}")
     return out
 
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("cli_fit")
-    _config_copy(root)
     ranks = run_distributed(_full, WORLD, str(root), timeout_s=120, tmp_dir=root)
     return {"ranks": ranks, "root": root, **ranks[0]}
 
@@ -142,7 +136,6 @@ def full_run(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def split_run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("cli_resume")
-    _config_copy(root)
     return run_distributed(_split, WORLD, str(root), timeout_s=180, tmp_dir=root)[0]
 
 
@@ -176,7 +169,7 @@ def test_fit_runs_on_every_rank_with_the_config_layout(full_run):
         assert result["log_dir"] == full_run["log_dir"], rank
     # Only the logger's save_dir was written (the harness's rendezvous files aside), not the cwd.
     written = {p.name for p in full_run["root"].iterdir() if not p.name.startswith("filestore-")}
-    assert written == {"logs", "tiny_cpu.yaml"}, written  # the config copy is the test's own
+    assert written == {"logs"}, written
     assert Path(full_run["log_dir"]) == full_run["root"] / "logs" / "tiny_cpu" / "full"
 
 
@@ -200,7 +193,7 @@ def test_fit_writes_metrics_with_falling_val_loss(full_run):
 @pytest.mark.slow
 def test_fit_writes_sharded_checkpoints(full_run):
     log_dir = Path(full_run["log_dir"])
-    checkpoints = checkpoint_dir(full_run["root"])
+    checkpoints = checkpoint_dir(log_dir)
     last = checkpoints / "last.ckpt"
     assert Path(full_run["last_model_path"]) == last
     best = Path(full_run["best_model_path"])
@@ -222,7 +215,7 @@ def test_resume_from_last_continues_exactly(split_run, full_run):
     first = split_run["first"]
     assert first["global_step"] == STEPS_PER_EPOCH
     assert Path(first["log_dir"]).name == FIRST_VERSION
-    assert Path(first["last_model_path"]).parent == Path(first["log_dir"]).parent / "checkpoints"
+    assert Path(first["last_model_path"]).parent == checkpoint_dir(first["log_dir"])  # its own version's
     assert Path(first["last_model_path"]).name == "last.ckpt"
     if "resumed_error" in split_run:
         pytest.fail("the resumed run raised:\n" + split_run["resumed_error"])
@@ -245,18 +238,35 @@ def test_resume_from_last_continues_exactly(split_run, full_run):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_documented_resume_command_finds_last_checkpoint(split_run):
-    """``lightning-moe fit --config examples/configs/tiny_cpu.yaml --ckpt_path last`` is documented
-    (config comment, ``lightning_moe/cli.py`` docstring, README) as resuming the previous run.
-    Lightning resolves ``last`` in the checkpoint callback's directory; the config fixes it (not per
-    logger version), so a new run finds the previous run's ``last*.ckpt`` instead of training from
-    scratch."""
-    documented = split_run["documented"]
-    assert documented["ckpt_path"] is not None, (
-        f"--ckpt_path last found no checkpoint: this run logged to {documented['log_dir']}, the previous "
-        f"run's last.ckpt is in {Path(split_run['first']['log_dir']) / 'checkpoints'}; it trained from scratch"
-    )
-    assert Path(documented["ckpt_path"]).name.startswith("last")
+def test_another_run_in_the_same_folder_does_not_resume_from_its_checkpoint(split_run):
+    """``tiny_cpu.yaml`` used to fix the checkpoint folder, so ``--ckpt_path last`` in a new run (here
+    a model with 4 experts instead of 8) loaded the previous run's ``last.ckpt``: a size mismatch.
+    Checkpoints now live per logger version: a new version starts from scratch."""
+    if "resumed_error" in split_run:
+        pytest.fail("the resumed run raised:\n" + split_run["resumed_error"])
+    other, first = split_run["other_model"], split_run["first"]
+    assert other["ckpt_path"] is None, f"the new run loaded {other['ckpt_path']}"
+    assert Path(other["log_dir"]).name == "version_1" and other["global_step"] == 2
+    assert Path(other["last_model_path"]).parent == checkpoint_dir(other["log_dir"])
+    assert (checkpoint_dir(first["log_dir"]) / "last.ckpt").is_dir()  # run 0's checkpoint is untouched
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_documented_resume_by_path_finds_the_checkpoint(split_run):
+    """The config comment's second form: ``--ckpt_path <save_dir>/tiny_cpu/version_0/checkpoints/last.ckpt``."""
+    explicit, first = split_run["explicit"], split_run["first"]
+    assert explicit["ckpt_path"] == str(checkpoint_dir(first["log_dir"]) / "last.ckpt")
+    assert explicit["global_step"] == 2 * STEPS_PER_EPOCH  # restored at the end of epoch 2: nothing retrained
+    assert explicit["log_dir"] != first["log_dir"]  # logged to a new version
+
+
+def test_config_documents_the_resume_commands():
+    text = CONFIG.read_text()
+    (checkpoint,) = [cb for cb in yaml.safe_load(text)["trainer"]["callbacks"] if cb["class_path"].endswith("ModelCheckpoint")]
+    assert "dirpath" not in checkpoint["init_args"], checkpoint  # per logger version
+    assert "--trainer.logger.init_args.version=N --ckpt_path last" in text
+    assert "--ckpt_path lightning_logs/tiny_cpu/version_N/checkpoints/last.ckpt" in text
 
 
 # ---------------------------------------------------------------------------------------- help / print_config
@@ -267,8 +277,23 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_fit_help_shows_config_docstrings_and_strategy(tmp_path):
+def test_fit_help_shows_model_data_and_strategy(tmp_path):
     result = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--help"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    # model and data are any class (class_path), the reference ones by default.
+    assert "--model CONFIG | CLASS_PATH_OR_NAME" in out and "--model.help" in out
+    assert "lightning_moe.lit.MoELanguageModel" in out
+    assert "--data CONFIG | CLASS_PATH_OR_NAME" in out and "lightning_moe.lit.TextDataModule" in out
+    # The strategy option, with MoEStrategy among the known classes.
+    assert "--trainer.strategy" in out
+    assert "lightning_moe.strategies.MoEStrategy" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_reference_model_help_shows_config_docstrings(tmp_path):
+    result = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel"], tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     # MoETransformerConfig field docstrings, expanded in place. ``moe`` is ``MoEConfig | None``, and
@@ -276,17 +301,16 @@ def test_fit_help_shows_config_docstrings_and_strategy(tmp_path):
     # (next test), not inline.
     assert "--model.model.num_kv_heads" in out
     assert "Key/value heads for grouped-query attention" in out
-    # The strategy option, with MoEStrategy among the known classes, and the MoE sub-help.
-    assert "--trainer.strategy" in out
-    assert "lightning_moe.strategies.MoEStrategy" in out
     assert "--model.model.moe.help" in out
-    assert "--data.max_tokens" in out
-    assert list(tmp_path.iterdir()) == []
+    assert "--model.learning_rate" in out
 
 
 @pytest.mark.slow
 def test_moe_config_help_shows_field_docstrings(tmp_path):
-    result = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--model.model.moe.help"], tmp_path)
+    result = _run(
+        [sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel", "--model.model.moe.help"],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "--model.model.moe.top_k" in result.stdout
     assert "Experts per token" in result.stdout
@@ -316,6 +340,10 @@ def test_console_script_print_config_exits_zero(tmp_path):
     assert "class_path: lightning_moe.strategies.MoEStrategy" in out
     assert "tensor_parallel_size: 2" in out and "expert_parallel_size: 4" in out
     assert "top_k: 2" in out
+    # The YAML's model/data sections (no class_path) configure the reference classes.
+    assert "class_path: lightning_moe.lit.MoELanguageModel" in out
+    assert "class_path: lightning_moe.lit.TextDataModule" in out
+    assert "max_tokens: 600000" in out
     assert list(tmp_path.iterdir()) == []  # printing the config trains and writes nothing
 
 

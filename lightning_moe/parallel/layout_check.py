@@ -1,0 +1,124 @@
+"""Check a model against a parallel layout before any process exists.
+
+:func:`~lightning_moe.parallel.parallelize` refuses a model that a layout cannot shard (experts
+that do not split over EP, heads or widths that do not divide by TP, MoE layers outside a
+tensor-parallel plan), but only inside ``MoEStrategy.setup``, i.e. after every rank started and
+joined its process groups, so the same error is printed once per rank. Those checks are pure
+arithmetic on the model's configuration and :class:`~lightning_moe.parallel.ParallelDims`:
+:func:`check_model_layout` runs them all in the launching process (the ``lightning-moe`` CLI does,
+right after building the model and Trainer) and raises one :class:`LayoutError` listing every
+problem.
+
+:func:`meta_copy` makes the model to check without allocating it: a deep copy whose parameters
+and buffers are meta tensors, with ``configure_model()`` run on it under the meta device (the
+reference model builds its layers there). The original model, and the global RNGs its later
+initialisation draws from, are left untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+from torch import nn
+
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.models import MoETransformer
+from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.tensor_parallel import _check_divisible
+
+__all__ = ["LayoutError", "check_model_layout", "layout_problems", "meta_copy"]
+
+
+class LayoutError(ValueError):
+    """The model cannot be sharded on the requested parallel layout (every reason in the message)."""
+
+
+def meta_copy(module: nn.Module, configure: bool = True) -> nn.Module:
+    """A deep copy of ``module`` with every parameter and buffer on the meta device.
+
+    With ``configure``, the copy's ``configure_model()`` (Lightning's hook, if the module has one)
+    runs under ``torch.device("meta")``, so layers built there exist too. Torch's CPU RNG and
+    Python's ``random`` are restored afterwards: building a ``MoELayer`` draws its seed from the
+    CPU generator, and the real model must draw the same seeds later. Errors of the copy or of
+    ``configure_model`` propagate.
+    """
+    memo: dict[int, object] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in memo:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(
+                tensor, nn.Parameter
+            ) else meta
+    python_rng = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            probe = copy.deepcopy(module, memo)
+            configure_model = getattr(probe, "configure_model", None)
+            if configure and callable(configure_model):
+                with torch.device("meta"):
+                    configure_model()
+        finally:
+            random.setstate(python_rng)
+    return probe
+
+
+def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
+    """Every reason :func:`~lightning_moe.parallel.parallelize` would refuse ``model`` on ``dims``.
+
+    The same checks, with the same wording, as ``apply_expert_parallel`` (experts over EP, the
+    expert FFN over ETP, ``fc2_bias`` with ETP), ``apply_tensor_parallel`` (vocabulary, heads and
+    FFN over TP) and ``MoEStrategy`` (TP needs every MoE layer inside a reference
+    :class:`~lightning_moe.models.MoETransformer`); one entry per distinct problem.
+    """
+    problems: list[str] = []
+
+    def add(problem: str) -> None:
+        if problem not in problems:
+            problems.append(problem)
+
+    transformers = [m for m in model.modules() if isinstance(m, MoETransformer)]
+    inside = {id(m) for t in transformers for m in t.modules()}
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    for _, layer in layers:
+        config = layer.config
+        try:
+            dims.validate_num_experts(config.num_experts)
+        except ValueError as err:
+            add(str(err))
+        if config.ffn_hidden_size % dims.etp:
+            add(
+                f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by the expert tensor parallel "
+                f"size {dims.etp}; choose an ETP size that divides it."
+            )
+        if config.fc2_bias and dims.etp > 1:
+            add(
+                "fc2_bias=True needs expert_tensor_parallel_size=1: every ETP shard would add the bias to "
+                f"its partial output (got ETP={dims.etp}). Turn the bias off or use ETP=1."
+            )
+    if dims.tp > 1:
+        outside = [name for name, layer in layers if id(layer) not in inside]
+        if outside:
+            add(
+                f"tensor_parallel_size={dims.tp} needs a model lightning_moe can shard over tensor parallelism "
+                f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
+                "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
+            )
+        for transformer in transformers:
+            try:
+                _check_divisible(transformer, dims.tp)
+            except (TypeError, ValueError) as err:
+                add(str(err))
+    return problems
+
+
+def check_model_layout(model: nn.Module, dims: ParallelDims) -> None:
+    """Raise :class:`LayoutError` with every problem of :func:`layout_problems`, if any."""
+    problems = layout_problems(model, dims)
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise LayoutError(f"The model cannot be sharded on {dims.describe()}: {problems[0]}")
+    listed = "\n".join(f"  - {p}" for p in problems)
+    raise LayoutError(f"The model cannot be sharded on {dims.describe()}:\n{listed}")
