@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.asserts import assert_close_to_scale
 from helpers.dist import run_distributed
 from helpers.user_model import UserMoELM
 
@@ -55,6 +56,12 @@ USER_YAML = textwrap.dedent(
         init_args:
           save_dir: logs
           name: user
+      callbacks:
+        - class_path: lightning_moe.callbacks.LoadBalanceMonitor
+          init_args:
+            log_every_n_steps: 1
+        - class_path: lightning_moe.callbacks.CUDAGraphCapture
+        - class_path: lightning_moe.callbacks.ActivationOffload
     model:
       class_path: my_project.user_model.UserMoELM
       init_args: {MODEL_ARGS}
@@ -106,6 +113,7 @@ def _fit_user_model(rank: int, world_size: int, root: str) -> dict:
         # Relative to the run's folder (the YAML's save_dir is): absolute for the pytest process.
         "checkpoint": os.path.abspath(callback.best_model_path),
         "log_dir": os.path.abspath(cli.trainer.logger.log_dir),
+        "moe_metrics": sorted(k for k in cli.trainer.callback_metrics if k.startswith("moe/")),
     }
 
 
@@ -126,6 +134,9 @@ def test_fit_trains_a_user_model_named_by_class_path(user_run):
         assert result["global_step"] == STEPS, rank
         assert result["local_experts"] == [MODEL_ARGS["num_experts"] // WORLD] * 2, rank  # EP=2 sharded them
         assert math.isfinite(result["train_loss"]), rank
+        # The defaults of LoadBalanceMonitor, CUDAGraphCapture and ActivationOffload on a model that is
+        # not the reference one: monitored per layer, graphs and offload warn on CPU and stand aside.
+        assert {"moe/layer_0/imbalance", "moe/layer_1/imbalance"} <= set(result["moe_metrics"]), result["moe_metrics"]
     # SaveConfigCallback records the class paths, so the saved config reruns the same project.
     saved = yaml.safe_load((Path(user_run["ranks"][0]["log_dir"]) / "config.yaml").read_text())
     assert saved["model"]["class_path"] == "my_project.user_model.UserMoELM"
@@ -150,3 +161,50 @@ def test_export_of_user_model_loads_strictly_with_the_trained_outputs(user_run, 
         logits = model.eval()(probe_tokens())
     for rank, result in enumerate(user_run["ranks"]):
         torch.testing.assert_close(logits, result["logits"], msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+def _fit_with_the_trainer(rank: int, world_size: int, ep: int) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from strategies.toy import full_tensors
+
+    from lightning_moe.callbacks import ActivationOffload, CUDAGraphCapture, LoadBalanceMonitor
+    from lightning_moe.strategies import MoEStrategy
+
+    sys.path.insert(0, str(HELPERS.parent))
+    from helpers.user_model import RandomTokenDataModule
+
+    class Grads(Callback):
+        """The reduced gradients of every step, as global tensors (expert shards gathered)."""
+
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.steps.append(full_tensors(pl_module, {n: p.grad for n, p in pl_module.named_parameters()}))
+
+    torch.manual_seed(7)
+    model, grads = UserMoELM(**MODEL_ARGS), Grads()
+    callbacks = [LoadBalanceMonitor(log_every_n_steps=1), CUDAGraphCapture(), ActivationOffload(), grads]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=MoEStrategy(expert_parallel_size=ep), max_steps=STEPS,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=callbacks,
+    )
+    trainer.fit(model, RandomTokenDataModule(vocab_size=64, seq_len=16, batch_size=4, num_samples=32))
+    return {"grads": grads.steps, "moe_metrics": [k for k in trainer.callback_metrics if k.startswith("moe/")]}
+
+
+@pytest.mark.distributed
+def test_trainer_fit_of_a_user_model_at_ep2_equals_replicated_experts(tmp_path):
+    """The same user model, data and callbacks at EP=2 and at EP=1 (experts replicated on both
+    ranks): every gradient of every step equal. (Weights are not compared: AdamW turns gradient
+    entries near zero into full-size steps of either sign, so rounding decides them.)"""
+    sharded = run_distributed(_fit_with_the_trainer, WORLD, 2, timeout_s=180, tmp_dir=tmp_path)
+    replicated = run_distributed(_fit_with_the_trainer, WORLD, 1, timeout_s=180, tmp_dir=tmp_path)
+    for got, want in zip(sharded, replicated):
+        assert got["moe_metrics"] and len(got["grads"]) == len(want["grads"]) == STEPS
+        for step, (mine, theirs) in enumerate(zip(got["grads"], want["grads"])):
+            assert mine.keys() == theirs.keys()
+            for key, value in theirs.items():
+                assert_close_to_scale(mine[key], value, 1e-4, f"step {step} gradient of {key}")
