@@ -34,7 +34,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-import shutil
 import subprocess
 import sys
 import traceback
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.console import console_script
 from helpers.dist import run_distributed
 
 from lightning_moe.cli import cli_main
@@ -325,16 +325,9 @@ def test_strategy_help_shows_moe_strategy_arguments(tmp_path):
         assert f"--trainer.strategy.{name}" in result.stdout, name
 
 
-def _console_script() -> str:
-    script = shutil.which("lightning-moe", path=str(Path(sys.executable).parent)) or shutil.which("lightning-moe")
-    if script is None:
-        pytest.skip("the lightning-moe console script is not installed (pip install -e .)")
-    return script
-
-
 @pytest.mark.slow
 def test_console_script_print_config_exits_zero(tmp_path):
-    result = _run([_console_script(), "fit", "--config", str(CONFIG), "--print_config"], tmp_path)
+    result = _run([console_script(), "fit", "--config", str(CONFIG), "--print_config"], tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "class_path: lightning_moe.strategies.MoEStrategy" in out
@@ -349,6 +342,6 @@ def test_console_script_print_config_exits_zero(tmp_path):
 
 @pytest.mark.slow
 def test_console_script_reports_bad_arguments(tmp_path):
-    result = _run([_console_script(), "fit", "--config", str(CONFIG), "--trainer.max_epochs=two"], tmp_path)
+    result = _run([console_script(), "fit", "--config", str(CONFIG), "--trainer.max_epochs=two"], tmp_path)
     assert result.returncode == 2, result.stderr  # argparse's usage-error status
     assert "max_epochs" in result.stderr

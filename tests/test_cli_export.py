@@ -19,13 +19,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from helpers.console import console_script
 from helpers.dist import run_distributed
 from torch import nn
 
@@ -329,20 +329,13 @@ def test_cli_export_usage_errors_exit_2(capsys):
     assert info.value.code == 2
 
 
-def _console_script() -> str:
-    script = shutil.which("lightning-moe", path=str(Path(sys.executable).parent)) or shutil.which("lightning-moe")
-    if script is None:
-        pytest.skip("the lightning-moe console script is not installed (pip install -e .)")
-    return script
-
-
 @pytest.mark.slow
 def test_console_script_help_lists_export(tmp_path):
-    top = subprocess.run([_console_script(), "--help"], cwd=tmp_path, capture_output=True, text=True,
+    top = subprocess.run([console_script(), "--help"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=SUBPROCESS_TIMEOUT_S)
     assert top.returncode == 0, top.stderr
     assert "export" in top.stdout and "fit" in top.stdout
-    sub = subprocess.run([_console_script(), "export", "--help"], cwd=tmp_path, capture_output=True, text=True,
+    sub = subprocess.run([console_script(), "export", "--help"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=SUBPROCESS_TIMEOUT_S)
     assert sub.returncode == 0, sub.stderr
     for word in ("CKPT", "OUT", "--overwrite", "--no-verify", "weights_only=True"):
