@@ -68,10 +68,16 @@ def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext, norm_type: 
     return total.sqrt()
 
 
-def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, ctx: ParallelContext) -> Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
+def clip_grad_norm_(
+    params: Iterable[Tensor], max_norm: float, ctx: ParallelContext, norm: Tensor | None = None
+) -> Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before.
+
+    ``norm``: the global norm of exactly these gradients when already known (not recomputed).
+    """
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, ctx)
+    if norm is None:
+        norm = global_grad_norm(params, ctx)
     coeff = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         p.grad.detach().mul_(coeff.to(p.grad.device))

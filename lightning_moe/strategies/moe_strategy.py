@@ -398,7 +398,9 @@ class MoEStrategy(ParallelStrategy):
         return clip_grad_norm_(self.model.parameters(), max_norm, self.parallel_context)
 
     def _patch_gradient_clipping(self) -> None:
-        patch_gradient_clipping(self.precision_plugin, lambda: self.parallel_context, self.finish_grad_sync)
+        patch_gradient_clipping(
+            self.precision_plugin, lambda: self.parallel_context, self.finish_grad_sync, self._safeguards.guard
+        )
 
     def _log_step_metric(self, name: str, value: float) -> None:
         self.lightning_module.log(name, value, on_step=True, on_epoch=False)

@@ -6,10 +6,12 @@
   finite, or skipped (``on_nonfinite_grads="skip"``: every gradient dropped, so the optimizer
   changes nothing; counted in the logged metric ``moe/skipped_steps``). Under a GradScaler
   (``16-mixed``) overflows are expected and the scaler skips those steps itself, so the guard
-  stands aside. (Clipping computes the norm again: callbacks may change the gradients between
-  the two, in ``on_before_optimizer_step``.)
+  stands aside.
 * :func:`patch_gradient_clipping`: Lightning clips through the precision plugin with each rank's
-  local norm; norm clipping is routed to the global norm instead.
+  local norm; norm clipping is routed to the global norm instead. It reuses the norm the guard
+  computed when the gradients are still the same tensors at the same versions (nothing, e.g. a
+  callback's ``on_before_optimizer_step``, changed them in between), so a clipped step costs one
+  pass over the gradients and one reduction, not two.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.grad_norm import clip_grad_norm_, global_grad_norm
@@ -51,6 +54,7 @@ class GradientGuard:
         self.policy = policy
         self.skipped_steps = 0
         """Steps skipped since the guard was made (``"skip"`` policy)."""
+        self._last: tuple[tuple, Tensor] | None = None  # (gradient versions, their global norm)
 
     def check(
         self, optimizer: torch.optim.Optimizer, ctx: ParallelContext, step: int,
@@ -67,6 +71,7 @@ class GradientGuard:
             return True  # overflows are the GradScaler's business: it skips those steps itself
         params = _grads(optimizer)
         norm = global_grad_norm(params, ctx)
+        self._last = (_versions(params), norm)
         if bool(torch.isfinite(norm)):  # the one host read
             return True
         if self.policy == "raise":
@@ -80,23 +85,44 @@ class GradientGuard:
             )
         for p in params:
             p.grad = None
+        self._last = None
         self.skipped_steps += 1
         if log is not None:
             log(SKIPPED_STEPS_METRIC, float(self.skipped_steps))
         return False
 
 
-def patch_gradient_clipping(plugin, ctx_of: Callable[[], ParallelContext], finish: Callable[[], None]) -> None:
+    def norm_of(self, params: list[Tensor]) -> Tensor | None:
+        """The norm :meth:`check` computed, if ``params``' gradients are exactly those it saw."""
+        if self._last is None or self._last[0] != _versions(params):
+            return None
+        return self._last[1]
+
+
+def _versions(params: list[Tensor]) -> tuple:
+    # Which gradient tensors, at which in-place version: any change to them changes this.
+    return tuple((id(p.grad), _local(p.grad)._version) for p in params)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def patch_gradient_clipping(
+    plugin, ctx_of: Callable[[], ParallelContext], finish: Callable[[], None], guard: GradientGuard
+) -> None:
     """Make ``plugin`` clip by the global norm over every shard (idempotent).
 
-    ``finish`` reduces pending gradients first (manual optimization may clip before stepping).
+    ``finish`` reduces pending gradients first (manual optimization may clip before stepping);
+    ``guard``'s norm of the same gradients is reused (see the module docstring).
     """
     if getattr(plugin, "_lightning_moe_clipping", False):
         return
 
     def clip_grad_by_norm(optimizer, clip_val):
         finish()
-        clip_grad_norm_(_grads(optimizer), float(clip_val), ctx_of())
+        params = _grads(optimizer)
+        clip_grad_norm_(params, float(clip_val), ctx_of(), norm=guard.norm_of(params))
 
     plugin.clip_grad_by_norm = clip_grad_by_norm
     plugin._lightning_moe_clipping = True

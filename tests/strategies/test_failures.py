@@ -147,3 +147,49 @@ def test_anomaly_mode_runs_without_tensor_parallelism_and_is_refused_with_it(tmp
             assert outcome == "trained 2 steps"
         else:
             assert "detect_anomaly=True) does not work with tensor_parallel_size=2" in outcome
+
+
+def test_clipping_reuses_the_guards_norm_unless_the_gradients_changed(monkeypatch):
+    """One pass over the gradients per clipped step; a gradient changed in between is measured again."""
+    from types import SimpleNamespace
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_moe.parallel import ParallelDims, build_parallel_context
+    from lightning_moe.parallel import grad_norm as grad_norm_module
+    from lightning_moe.strategies import optimizer_step as step_module
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        ctx = build_parallel_context(ParallelDims(1), "cpu")
+        calls = []
+        measure = grad_norm_module.global_grad_norm
+
+        def counting(params, context, norm_type=2.0):
+            calls.append(1)
+            return measure(params, context, norm_type)
+
+        monkeypatch.setattr(step_module, "global_grad_norm", counting)
+        monkeypatch.setattr(grad_norm_module, "global_grad_norm", counting)
+        layer = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        guard, plugin = step_module.GradientGuard(), SimpleNamespace()
+        step_module.patch_gradient_clipping(plugin, lambda: ctx, lambda: None, guard)
+        for changed_in_between in (False, True):
+            layer.zero_grad()
+            layer(torch.randn(5, 4, generator=torch.Generator().manual_seed(3))).square().sum().backward()
+            calls.clear()
+            assert guard.check(optimizer, ctx, step=0)
+            if changed_in_between:
+                layer.weight.grad.mul_(3.0)  # e.g. a callback's on_before_optimizer_step
+            want = [p.grad.clone() for p in layer.parameters()]
+            norm = torch.linalg.vector_norm(torch.cat([w.flatten() for w in want]))
+            expected = [w * min(1.0, 1.0 / (norm.item() + 1e-6)) for w in want]
+            plugin.clip_grad_by_norm(optimizer, 1.0)
+            assert len(calls) == (2 if changed_in_between else 1)
+            for got, wanted in zip((p.grad for p in layer.parameters()), expected):
+                torch.testing.assert_close(got, wanted)
+    finally:
+        dist.destroy_process_group()
