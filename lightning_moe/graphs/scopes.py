@@ -18,16 +18,16 @@ A *scope* names a part of every transformer layer that is captured into one CUDA
     rows is known without reading the device, i.e. when no host read happens inside the scope:
 
     * the layer uses the local (single-device, EP = 1) dispatcher, whose ``dispatch`` is
-      ``local_expert_counts`` + ``expert_order``; the EP dispatchers (``alltoall``,
+      ``routed_row_counts`` + ``expert_order``; the EP dispatchers (``alltoall``,
       ``allgather``) exchange and read split sizes on the host inside ``dispatch`` and cannot be
       split at this point;
     * and the row count is static: ``T * top_k`` in dropless routing (top-k selects exactly K
       distinct experts per token) or ``capacity * E`` in drop-and-pad mode. Capacity dropping
       without padding and ``router_padding_alignment`` make it data-dependent: refused.
 
-    In dropless mode the per-expert counts that the expert kernel needs on the host are read
-    right after the graph (one device-to-host copy, as in eager mode); in drop-and-pad mode they
-    are static and nothing is read.
+    In dropless mode the per-expert counts stay a device tensor after the graph, as in eager mode
+    (the ``grouped_mm`` kernel reads nothing, the loop kernel reads them); in drop-and-pad mode
+    they are static.
 ``moe``
     the whole MoE feed-forward (``x + moe(ffn_norm(x))``): only with static shapes, i.e.
     drop-and-pad (``capacity_factor`` set and ``pad_to_capacity=True``) and the local
@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from lightning_moe.layers.dispatch import LocalDispatcher, LocalDispatchMetadata, local_expert_counts
+from lightning_moe.layers.dispatch import LocalDispatcher, LocalDispatchMetadata, routed_row_counts
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.permute import expert_order, pad_routing_map
 from lightning_moe.layers.routing import padded_expert_rows
@@ -392,23 +392,15 @@ def experts_forward(layer: MoELayer, routed: RouterOutputs) -> Tensor:
     """The eager rest of ``MoELayer.forward`` after the router: dispatch, experts, combine, shared add.
 
     Returns ``[T, H]``. After ``moe_preprocess`` the local dispatcher's work is already done: only
-    the host counts are taken (static in drop-and-pad mode, one device read when dropless).
+    its counts are taken (:func:`~lightning_moe.layers.dispatch.routed_row_counts`: static in
+    drop-and-pad mode, a device tensor when dropless, as in eager mode).
     """
     if routed.row_index is None:
         rows, counts, row_probs, metadata = layer.dispatcher.dispatch(routed.tokens, routed.probs, routed.routing_map)
-        row_index = metadata.row_index
-        expert_out = layer.experts(
-            rows, counts, row_probs, row_index=row_index,
-            num_out_rows=None if row_index is None else rows.shape[0],
-        )
     else:
-        counts = local_expert_counts(routed.routing_map, layer.config)
-        metadata = LocalDispatchMetadata(routed.row_index)
-        expert_out = layer.experts(
-            routed.tokens, counts, routed.row_probs, row_index=routed.row_index,
-            num_out_rows=routed.tokens.shape[0],
-        )
-    out = layer.dispatcher.combine(expert_out, metadata)
+        rows, row_probs, metadata = routed.tokens, routed.row_probs, LocalDispatchMetadata(routed.row_index)
+        counts, _ = routed_row_counts(routed.routing_map, layer.config)
+    out = layer.dispatcher.combine(layer.run_experts(rows, counts, row_probs, metadata), metadata)
     if routed.shared_out is not None:
         out = out + routed.shared_out
     return out

@@ -12,6 +12,8 @@ permutation into the expert kernel) and sets the router's reductions.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -117,20 +119,28 @@ class MoELayer(nn.Module):
         if self.config.router_padding_alignment is not None:
             routing_map = pad_routing_map(routing_map, self.config.router_padding_alignment)
         rows, tokens_per_expert, row_probs, metadata = self.dispatcher.dispatch(tokens, probs, routing_map)
+        out = self.dispatcher.combine(self.run_experts(rows, tokens_per_expert, row_probs, metadata), metadata)
+        if shared_out is not None:
+            out = out + shared_out
+        return out.view(hidden.shape)
+
+    def run_experts(
+        self, rows: Tensor, tokens_per_expert: list[int] | Tensor, row_probs: Tensor, metadata: Any
+    ) -> Tensor:
+        """The routed experts on what the dispatcher's ``dispatch`` returned; the input of its ``combine``.
+
+        Expert modules that predate the sync-free protocol (:mod:`lightning_moe.layers.dispatch`)
+        get host counts and no permutation flag; ``GroupedExperts`` declares both. The CUDA-graph
+        scopes' staged forward calls this too, so both hand the experts the same arguments.
+        """
         row_index = metadata.row_index
-        # Expert modules that predate the sync-free protocol (lightning_moe.layers.dispatch) get host
-        # counts and no permutation flag; GroupedExperts declares both.
         if isinstance(tokens_per_expert, Tensor) and not getattr(self.experts, "accepts_device_counts", False):
             tokens_per_expert = tokens_per_expert.tolist()
         flags = {}
         permutation = row_index is not None and getattr(metadata, "row_index_is_permutation", False)
         if permutation and getattr(self.experts, "accepts_permutation_flag", False):
             flags["row_index_is_permutation"] = True
-        expert_out = self.experts(
+        return self.experts(
             rows, tokens_per_expert, row_probs, row_index=row_index,
             num_out_rows=None if row_index is None else rows.shape[0], **flags,
         )
-        out = self.dispatcher.combine(expert_out, metadata)
-        if shared_out is not None:
-            out = out + shared_out
-        return out.view(hidden.shape)
