@@ -74,12 +74,8 @@ def routed_row_counts(routing_map: Tensor, config: MoEConfig) -> tuple[list[int]
     * capacity dropping or ``router_padding_alignment``: the total depends on the routing, so the
       counts are read to the host (one synchronisation).
     """
-    num_tokens = routing_map.shape[0]
-    if config.pad_to_capacity:
-        counts = local_expert_counts(routing_map, config)
-        return counts, sum(counts)
-    if config.capacity_factor is None and config.router_padding_alignment is None:
-        return routing_map.sum(0, dtype=torch.int64), num_tokens * config.top_k
+    if config.capacity_factor is None and config.router_padding_alignment is None:  # dropless
+        return routing_map.sum(0, dtype=torch.int64), routing_map.shape[0] * config.top_k
     counts = local_expert_counts(routing_map, config)
     return counts, sum(counts)
 

@@ -77,9 +77,10 @@ def expert_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtyp
 
 
 def autocast_disabled(device: torch.device) -> contextlib.AbstractContextManager:
-    """Autocast off for ``device``'s type, for kernels that cast their operands explicitly.
+    """Autocast off for ``device``'s type, for code that casts its operands explicitly.
 
-    Devices without autocast (meta) cannot even disable it; there is nothing to turn off there.
+    Used by both expert kernels and by the router's gating. Devices without autocast (meta)
+    cannot even disable it; there is nothing to turn off there.
     """
     if not torch.amp.is_autocast_available(device.type):
         return contextlib.nullcontext()
@@ -234,21 +235,15 @@ class ExpertMLPFunction(torch.autograd.Function):
             y = gemm.nt((z * p).to(cdt), fc2[e].to(cdt))[:n]
             if fc2_bias is not None:
                 y += p[:n].to(cdt) * fc2_bias[e].to(cdt)
-            if row_index is None:
-                out[rows] = y
-            elif permutation:
-                out.index_copy_(0, row_index[rows], y.to(out.dtype))
-            else:
-                out.index_add_(0, row_index[rows], y.to(out.dtype))
+            _write_rows(out, rows, y, row_index, permutation)
             start += n
         # The unpadded row index: the one the experts' saved-tensor tagging knows (never offloaded).
         ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, *fc1_outs, *act_outs)
         ctx.counts, ctx.padded, ctx.activation, ctx.compute_dtype = counts, padded, activation, cdt
         ctx.gemm, ctx.permutation = gemm, permutation
-        # The workspace only for leaf weights (the parameters themselves, not a cast copy) of the
-        # compute dtype, whose gradient is param.grad itself; kept weakly: saved-tensor hooks hand
-        # backward other tensor objects, whose .grad says nothing about the gradient accumulated.
-        ctx.workspace = workspace if all(w.is_leaf and w.dtype == cdt for w in (fc1, fc2)) else None
+        ctx.workspace = workspace
+        # The weights themselves, weakly: saved-tensor hooks hand backward other tensor objects,
+        # whose .grad says nothing about the gradient being accumulated.
         ctx.weights = (weakref.ref(fc1), weakref.ref(fc2))
         return out.to(x.dtype)
 
@@ -301,13 +296,7 @@ class ExpertMLPFunction(torch.autograd.Function):
             if need_w1:
                 gemm.tn_into(dh, _expert_rows(x, index, rows.start, n, m).to(cdt), grad_fc1[e])
             if need_x:
-                dx = gemm.nn(dh, fc1[e].to(cdt))[:n]
-                if row_index is None:
-                    grad_x[rows] = dx
-                elif ctx.permutation:
-                    grad_x.index_copy_(0, row_index[rows], dx.to(grad_x.dtype))
-                else:
-                    grad_x.index_add_(0, row_index[rows], dx.to(grad_x.dtype))
+                _write_rows(grad_x, rows, gemm.nn(dh, fc1[e].to(cdt))[:n], row_index, ctx.permutation)
 
         def cast(grad, like):
             return None if grad is None else grad.to(like.dtype)
@@ -319,9 +308,23 @@ class ExpertMLPFunction(torch.autograd.Function):
         )
 
 
+def _write_rows(dest: Tensor, rows: slice, values: Tensor, row_index: Tensor | None, permutation: bool) -> None:
+    """Write expert-major rows ``rows`` (``values``) into ``dest``, at ``rows`` or at their tokens.
+
+    Through ``row_index`` the rows are copied to their tokens when it is a permutation (each token
+    written once), else summed per token over its K experts.
+    """
+    if row_index is None:
+        dest[rows] = values
+    elif permutation:
+        dest.index_copy_(0, row_index[rows], values.to(dest.dtype))
+    else:
+        dest.index_add_(0, row_index[rows], values.to(dest.dtype))
+
+
 def _weight_grad(workspace: ExpertGradWorkspace | None, name: str, param: Tensor, dtype: torch.dtype) -> Tensor:
-    # The workspace only pays off when the gradient keeps the parameter's dtype (no cast copy), and
-    # only a leaf's gradient becomes param.grad.
+    # The workspace only for the parameters themselves (leaves: a cast copy's gradient never becomes
+    # param.grad) and for gradients in the parameter's dtype (which autograd adopts without a cast).
     if workspace is None or dtype != param.dtype or not (param.is_leaf and param.requires_grad):
         return torch.empty(param.shape, dtype=dtype, device=param.device)
     return workspace.gradient_for(name, param, dtype)

@@ -50,7 +50,7 @@ from lightning_moe.layers.expert_kernels import (
     expert_mlp,
     grouped_activation_fc2,
 )
-from lightning_moe.layers.permute import check_permutation_sizes, gather_rows, scatter_rows
+from lightning_moe.layers.permute import gather_rows, scatter_rows
 
 __all__ = ["KERNELS", "GroupedExperts", "WeightCastCache", "expert_generator", "group_offsets", "host_counts"]
 
@@ -129,10 +129,6 @@ class WeightCastCache:
         cast = param.to(dtype)
         self._entries[name] = (weakref.ref(param), param._version, cast)
         return cast
-
-    def discard(self, name: str) -> None:
-        """Drop the copy of ``name``, if any."""
-        self._entries.pop(name, None)
 
     def clear(self) -> None:
         """Drop every copy."""
@@ -335,9 +331,8 @@ class GroupedExperts(nn.Module):
         device = tokens.device
         cdt = expert_compute_dtype(tokens.dtype, device)
         kernel = self.resolved_kernel(device, tokens.dtype)
+        # Sizes of a declared permutation are checked by expert_mlp, or by gather_rows/scatter_rows.
         permutation = bool(row_index_is_permutation) and row_index is not None
-        if permutation:
-            check_permutation_sizes(row_index, num_out_rows, tokens.shape[0])
         fc1, fc2 = self._compute_weights(cdt, whole=kernel != "loop")
         tag = self.saved_tensor_tagger
         if tag is not None:

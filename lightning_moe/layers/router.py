@@ -15,7 +15,6 @@ non-reentrant ``torch.utils.checkpoint`` recomputes with grad enabled and would 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_moe.layers import losses
 from lightning_moe.layers.config import MoEConfig
+from lightning_moe.layers.expert_kernels import autocast_disabled
 from lightning_moe.layers.router_metrics import METRIC_STAT_NAMES, kept_assignments, routing_metric_stats
 from lightning_moe.layers.routing import (
     apply_input_jitter,
@@ -66,13 +66,6 @@ _ROUTER_DTYPES = MappingProxyType({"fp32": torch.float32, "fp64": torch.float64,
 
 def _identity(tensor: Tensor) -> Tensor:
     return tensor
-
-
-def _autocast_disabled(device: torch.device) -> contextlib.AbstractContextManager:
-    # Devices without autocast (meta) cannot even disable it; there is nothing to turn off.
-    if not torch.amp.is_autocast_available(device.type):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False)
 
 
 @dataclass(frozen=True)
@@ -280,7 +273,7 @@ class TopKRouter(nn.Module):
         a Megatron bf16 model) in bf16.
         """
         num_sequences = self._validate_inputs(hidden, padding_mask, num_sequences)
-        with _autocast_disabled(hidden.device):
+        with autocast_disabled(hidden.device):
             return self._route(hidden, padding_mask, num_sequences)
 
     def _route(

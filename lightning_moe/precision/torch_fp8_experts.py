@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_moe.layers.activations import activation_fn
-from lightning_moe.layers.experts import GroupedExperts
+from lightning_moe.layers.experts import GroupedExperts, group_offsets
 from lightning_moe.precision.torch_fp8 import E4M3, TorchFP8Recipe, gemm_out_dtype, quantize
 
 __all__ = ["IMPLS", "Float8GroupedExperts", "float8_grouped_linear", "group_offsets", "resolve_impl"]
@@ -39,17 +39,6 @@ __all__ = ["IMPLS", "Float8GroupedExperts", "float8_grouped_linear", "group_offs
 IMPLS = ("auto", "grouped", "loop", "emulate")
 _ALIGN = 16
 _HAS_SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm")
-
-
-def group_offsets(counts: list[int], device: torch.device) -> Tensor:
-    """int32 end offsets of the expert segments; built on the device when all counts are equal."""
-    if counts and all(c == counts[0] for c in counts):
-        return torch.arange(1, len(counts) + 1, device=device, dtype=torch.int32) * counts[0]
-    ends, total = [], 0
-    for count in counts:
-        total += count
-        ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
 
 
 def resolve_impl(impl: str, device: torch.device, counts: list[int], *sizes: int) -> str:

@@ -342,8 +342,9 @@ def test_permutation_row_index_scatters_with_index_copy(kernel, with_bias):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_permutation_flag_needs_one_row_per_output_row():
-    experts = _loop_experts()
+@pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
+def test_permutation_flag_needs_one_row_per_output_row(kernel):
+    experts = _grouped_pair("swiglu", True, torch.float32)[0 if kernel == "loop" else 1]
     tensors, row_index = _inputs("swiglu", fused=True)
     with pytest.raises(ValueError, match="row_index_is_permutation=True needs"):
         experts(tensors["x"], COUNTS, tensors["probs"], row_index=row_index, num_out_rows=NUM_TOKENS,
