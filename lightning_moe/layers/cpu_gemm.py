@@ -13,8 +13,8 @@ expert's fc1 GEMM with both libraries and takes oneDNN only when it is clearly f
 on machines where the two are level. ``LIGHTNING_MOE_CPU_GEMM``, :func:`set_cpu_gemm_backend` or
 :func:`use_cpu_gemm_backend` forces a library (and with it bit-identical reruns). Ranks of one
 job must not choose differently (their results would differ in the last bits):
-``lightning_moe.parallel.parallelize`` measures on rank 0 and pins its choices on every rank
-(:func:`pin_cpu_gemm_choices`).
+``lightning_moe.parallel.cpu_gemm_agreement.agree_on_cpu_gemm`` (called by ``MoEStrategy``)
+measures on rank 0 and pins its choices on every rank (:func:`pin_cpu_gemm_choices`).
 
 oneDNN compiles one kernel per problem shape and keeps a bounded cache of them (1024 by default,
 shared with everything else in the process). Expert row counts change every step, so with oneDNN
@@ -271,8 +271,8 @@ def pin_cpu_gemm_choices(choices: Mapping[tuple[int, int], str] | None) -> None:
     """Make ``auto`` use ``choices[(in_features, out_features)]`` instead of measuring; None clears.
 
     For processes that must compute alike: a multi-process run measures on one rank and pins
-    that rank's choices everywhere (``lightning_moe.parallel.agree_on_cpu_gemm``), since each
-    process would otherwise measure for itself and the ranks could sum in different orders.
+    that rank's choices everywhere (``lightning_moe.parallel.cpu_gemm_agreement.agree_on_cpu_gemm``),
+    since each process would otherwise measure for itself and the ranks could sum in different orders.
     Shapes missing from ``choices`` are still measured. A forced backend (:func:`set_cpu_gemm_backend`
     or :data:`ENV_VAR`) takes precedence.
     """

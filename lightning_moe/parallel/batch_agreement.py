@@ -42,13 +42,16 @@ def _bits(tensor: Tensor) -> Tensor:
     return flat
 
 
-def batch_fingerprint(batch: Any, device: torch.device) -> Tensor:
+def batch_fingerprint(batch: Any, device: torch.device | None = None) -> Tensor:
     """A float64 ``[4]`` summary of every tensor in ``batch`` (any nesting of containers), on ``device``.
 
     Equal batches give equal fingerprints; different ones almost surely differ (a checksum, not
-    a cryptographic hash). Non-tensor leaves are ignored.
+    a cryptographic hash). Non-tensor leaves are ignored. ``device`` defaults to the device of the
+    batch's first tensor (the CPU without any).
     """
     tensors = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor)]
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
     total = torch.zeros(4, dtype=torch.float64, device=device)
     total[0] = len(tensors)
     for index, tensor in enumerate(tensors):
@@ -71,9 +74,7 @@ def check_same_batch(batch: Any, group: dist.ProcessGroup, what: str = "tensor-p
     size = dist.get_world_size(group)
     if size == 1:
         return
-    tensors = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor)]
-    device = tensors[0].device if tensors else torch.device("cpu")
-    mine = batch_fingerprint(batch, device)
+    mine = batch_fingerprint(batch)
     pieces = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(pieces, mine, group=group)
     every = torch.stack(pieces)
