@@ -23,12 +23,20 @@ import random
 import torch
 from torch import nn
 
+from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.tensor_parallel import _check_divisible
 
-__all__ = ["LayoutError", "check_model_layout", "layout_problems", "meta_copy"]
+__all__ = [
+    "LayoutError",
+    "check_model_layout",
+    "expert_layer_problems",
+    "layout_problems",
+    "meta_copy",
+    "tensor_parallel_support_problem",
+]
 
 
 class LayoutError(ValueError):
@@ -64,52 +72,73 @@ def meta_copy(module: nn.Module, configure: bool = True) -> nn.Module:
     return probe
 
 
+def expert_layer_problems(config: MoEConfig, dims: ParallelDims) -> list[str]:
+    """Every reason a MoE layer of ``config`` cannot be sharded over the EP and ETP sizes of ``dims``.
+
+    The one source of these checks: experts over EP, the expert FFN over ETP, ``fc2_bias`` with
+    ETP (``[]`` if none applies). ``apply_expert_parallel`` raises the first, :func:`layout_problems`
+    lists them all.
+    """
+    problems = []
+    try:
+        dims.validate_num_experts(config.num_experts)
+    except ValueError as err:
+        problems.append(str(err))
+    if config.ffn_hidden_size % dims.etp:
+        problems.append(
+            f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by the expert tensor parallel "
+            f"size {dims.etp}; choose an ETP size that divides it."
+        )
+    if config.fc2_bias and dims.etp > 1:
+        problems.append(
+            "fc2_bias=True needs expert_tensor_parallel_size=1: every ETP shard would add the bias to "
+            f"its partial output (got ETP={dims.etp}). Turn the bias off or use ETP=1."
+        )
+    return problems
+
+
+def tensor_parallel_support_problem(model: nn.Module, tp: int) -> str | None:
+    """Why ``tp`` > 1 cannot shard ``model`` (None if it can): MoE layers outside a tensor-parallel plan.
+
+    The ranks of a TP group get the same samples; the reference :class:`MoETransformer` splits
+    each sequence over them (sequence parallelism). A MoE layer outside it would route the same
+    tokens on every TP rank and its gradients would count them TP times. The one source of this
+    check: ``MoEStrategy`` raises it, :func:`layout_problems` lists it.
+    """
+    if tp == 1:
+        return None
+    inside = {id(m) for t in model.modules() if isinstance(t, MoETransformer) for m in t.modules()}
+    outside = [name for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in inside]
+    if not outside:
+        return None
+    return (
+        f"tensor_parallel_size={tp} needs a model lightning_moe can shard over tensor parallelism "
+        f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
+        "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
+    )
+
+
 def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
     """Every reason :func:`~lightning_moe.parallel.parallelize` would refuse ``model`` on ``dims``.
 
-    The same checks, with the same wording, as ``apply_expert_parallel`` (experts over EP, the
-    expert FFN over ETP, ``fc2_bias`` with ETP), ``apply_tensor_parallel`` (vocabulary, heads and
-    FFN over TP) and ``MoEStrategy`` (TP needs every MoE layer inside a reference
-    :class:`~lightning_moe.models.MoETransformer`); one entry per distinct problem.
+    :func:`expert_layer_problems` of every MoE layer, :func:`tensor_parallel_support_problem`, and
+    ``apply_tensor_parallel``'s divisibility checks (vocabulary, heads and FFN over TP) of every
+    :class:`~lightning_moe.models.MoETransformer`; one entry per distinct problem.
     """
     problems: list[str] = []
-
-    def add(problem: str) -> None:
-        if problem not in problems:
-            problems.append(problem)
-
-    transformers = [m for m in model.modules() if isinstance(m, MoETransformer)]
-    inside = {id(m) for t in transformers for m in t.modules()}
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
-    for _, layer in layers:
-        config = layer.config
-        try:
-            dims.validate_num_experts(config.num_experts)
-        except ValueError as err:
-            add(str(err))
-        if config.ffn_hidden_size % dims.etp:
-            add(
-                f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by the expert tensor parallel "
-                f"size {dims.etp}; choose an ETP size that divides it."
-            )
-        if config.fc2_bias and dims.etp > 1:
-            add(
-                "fc2_bias=True needs expert_tensor_parallel_size=1: every ETP shard would add the bias to "
-                f"its partial output (got ETP={dims.etp}). Turn the bias off or use ETP=1."
-            )
+    for layer in model.modules():
+        if isinstance(layer, MoELayer):
+            problems.extend(p for p in expert_layer_problems(layer.config, dims) if p not in problems)
     if dims.tp > 1:
-        outside = [name for name, layer in layers if id(layer) not in inside]
-        if outside:
-            add(
-                f"tensor_parallel_size={dims.tp} needs a model lightning_moe can shard over tensor parallelism "
-                f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
-                "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
-            )
-        for transformer in transformers:
+        no_plan = tensor_parallel_support_problem(model, dims.tp)
+        if no_plan is not None:
+            problems.append(no_plan)
+        for transformer in (m for m in model.modules() if isinstance(m, MoETransformer)):
             try:
                 _check_divisible(transformer, dims.tp)
             except (TypeError, ValueError) as err:
-                add(str(err))
+                if str(err) not in problems:
+                    problems.append(str(err))
     return problems
 
 
