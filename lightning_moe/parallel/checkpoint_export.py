@@ -39,23 +39,20 @@ from torch import Tensor
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from lightning_moe.parallel.checkpoint_files import interrupted_replacement
-from lightning_moe.parallel.checkpoint_integrity import check_complete, has_digests, verify_digests
-from lightning_moe.parallel.checkpoint_security import (
+from lightning_moe.parallel.checkpoint_files import interrupted_replacement, partial_path, write_torch_file
+from lightning_moe.parallel.checkpoint_integrity import (
     DCP_METADATA,
-    load_sharded,
-    load_torch_file,
-    read_dcp_metadata,
+    LAYOUT_KEY,
+    META_FILE,
+    has_digests,
+    verify_digests,
 )
+from lightning_moe.parallel.checkpoint_security import load_sharded, load_torch_file, read_sharded_metadata
 
 __all__ = ["ExportedCheckpoint", "export_checkpoint", "read_model_state"]
 
-META_FILE = "meta.pt"
-"""Lightning's metadata file of a sharded checkpoint directory (``lightning.fabric.utilities.load``)."""
 MODEL_KEY = "state_dict"
 """Where Lightning keeps the model's state in a checkpoint (in a sharded one, the DCP prefix)."""
-LAYOUT_KEY = "lightning_moe"
-"""``MoEStrategy``'s entry in ``meta.pt``: saving layout, save id, file sizes and digests."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +103,7 @@ def _tensors(obj: Any) -> list[Tensor]:
 
 
 def _missing(path: Path) -> FileNotFoundError:
-    previous = interrupted_replacement(path, META_FILE)
+    previous = interrupted_replacement(path)
     hint = (
         f"; a save was interrupted while replacing it, and the previous complete checkpoint is {previous}: export that"
         if previous is not None else ""
@@ -145,10 +142,8 @@ def _read_sharded(path: Path, verify: bool) -> tuple[dict[str, Any], dict[str, A
             raise FileNotFoundError(
                 2, f"{path} is not a sharded checkpoint: no {name} (not a checkpoint, or an interrupted save or copy)"
             )
-    meta = load_torch_file(path / META_FILE, weights_only=True)
-    saved = meta.get(LAYOUT_KEY, {}) if isinstance(meta, dict) else {}
-    metadata = read_dcp_metadata(path / DCP_METADATA)
-    check_complete(path, metadata, saved, DCP_METADATA)
+    meta, metadata = read_sharded_metadata(path)
+    saved = (meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None) or {}
     verified = False
     if verify:
         if has_digests(saved.get("files")):
@@ -217,13 +212,9 @@ def _check_output(output: Path, checkpoint: Path, overwrite: bool) -> None:
 
 def _write_atomically(state: dict[str, Any], output: Path) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial-{uuid.uuid4().hex}")
+    partial = partial_path(output, uuid.uuid4().hex)
     try:
-        # Through a Python file object, so a full disk surfaces as the OSError with its errno.
-        with open(partial, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
+        write_torch_file(state, partial)
         os.replace(partial, output)
     except BaseException:
         with contextlib.suppress(OSError):

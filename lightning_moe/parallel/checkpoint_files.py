@@ -28,8 +28,12 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_moe.parallel.checkpoint_integrity import META_FILE
 
 __all__ = [
     "describe_write_error",
@@ -39,9 +43,11 @@ __all__ = [
     "partial_path",
     "prepare_partial",
     "probe_writable",
+    "rank_failures",
     "remove_path",
     "replace",
     "replaced_path",
+    "write_torch_file",
 ]
 
 _PARTIAL = ".partial-"
@@ -118,15 +124,32 @@ def replace(partial: Path, path: Path, save_id: str) -> None:
         remove_path(old)
 
 
-def _is_complete(path: Path, meta_name: str) -> bool:
-    return path.is_file() or (path / meta_name).is_file()
+def write_torch_file(obj: Any, path: Path) -> None:
+    """``torch.save(obj)`` to ``path`` through a Python file object, flushed and ``fsync``-ed.
+
+    Not torch.save's own writer: through a file object a full disk surfaces as the ``OSError``
+    with its errno; the fsync comes before the rename that publishes the file.
+    """
+    with open(path, "wb") as file:
+        torch.save(obj, file)
+        file.flush()
+        os.fsync(file.fileno())
 
 
-def interrupted_replacement(path: Path, meta_name: str = "meta.pt") -> Path | None:
+def _is_complete(path: Path) -> bool:
+    return path.is_file() or (path / META_FILE).is_file()
+
+
+def interrupted_replacement(path: Path) -> Path | None:
     """The newest complete checkpoint that a save interrupted between its renames left for the
     missing ``path`` (see the module docstring), or None."""
-    candidates = [p for p in leftovers(path, partial=False) if _is_complete(p, meta_name)]
+    candidates = [p for p in leftovers(path, partial=False) if _is_complete(p)]
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+
+
+def rank_failures(err: CheckpointException) -> dict[int, BaseException]:
+    """Each failed rank's exception in DCP's ``CheckpointException`` (DCP stores some with their traceback)."""
+    return {rank: (f[0] if isinstance(f, tuple) else f) for rank, f in err.failures.items()}
 
 
 def find_os_error(err: BaseException) -> OSError | None:
@@ -144,7 +167,7 @@ def find_os_error(err: BaseException) -> OSError | None:
         if isinstance(current, OSError) and current.errno is not None:
             return current
         if isinstance(current, CheckpointException):
-            pending.extend(f[0] if isinstance(f, tuple) else f for f in current.failures.values())
+            pending.extend(rank_failures(current).values())
         pending.extend((current.__cause__, current.__context__))
     return None
 
@@ -161,8 +184,7 @@ def _free_space(directory: Path) -> str:
 
 def _summary(err: BaseException) -> str:
     if isinstance(err, CheckpointException):
-        failures = {r: (f[0] if isinstance(f, tuple) else f) for r, f in err.failures.items()}
-        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items()))
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(rank_failures(err).items()))
     return f"{type(err).__name__}: {err}"
 
 

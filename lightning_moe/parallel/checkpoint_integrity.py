@@ -25,7 +25,10 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = [
+    "DCP_METADATA",
     "HASH_NAME",
+    "LAYOUT_KEY",
+    "META_FILE",
     "CheckpointIntegrityError",
     "assign_files",
     "check_complete",
@@ -36,6 +39,12 @@ __all__ = [
     "verify_digests",
 ]
 
+DCP_METADATA = ".metadata"
+"""DCP's metadata file in a checkpoint directory."""
+META_FILE = "meta.pt"
+"""Lightning's metadata file of a sharded checkpoint directory (``lightning.fabric.utilities.load``)."""
+LAYOUT_KEY = "lightning_moe"
+"""``MoEStrategy``'s entry in ``meta.pt`` (or a consolidated file): saving layout, save id, file records."""
 HASH_NAME = "sha256"
 """The ``hashlib`` algorithm, and the key of each file's digest in ``meta.pt``."""
 _CHUNK_BYTES = 8 << 20
@@ -73,13 +82,13 @@ def has_digests(records: dict[str, dict[str, Any]] | None) -> bool:
     return bool(records) and all(HASH_NAME in r for r in records.values())
 
 
-def check_complete(checkpoint: Path, metadata: Any, saved: dict[str, Any], metadata_name: str = ".metadata") -> None:
+def check_complete(checkpoint: Path, metadata: Any, saved: dict[str, Any]) -> None:
     """Raise naming the first missing, truncated or foreign file of the sharded ``checkpoint``.
 
-    ``metadata``: DCP's metadata read from it; ``saved``: the ``lightning_moe`` entry of its
+    ``metadata``: DCP's metadata read from it; ``saved``: the :data:`LAYOUT_KEY` entry of its
     ``meta.pt`` (``save_id`` and ``files`` are absent in checkpoints of earlier versions).
     """
-    metadata_path = checkpoint / metadata_name
+    metadata_path = checkpoint / DCP_METADATA
     save_id = saved.get("save_id")
     storage_meta = getattr(metadata, "storage_meta", None)
     if save_id is not None and getattr(storage_meta, "save_id", None) != save_id:

@@ -17,7 +17,8 @@ The three ways a crafted checkpoint could run code, and what closes each:
   :func:`load_torch_file`: ``weights_only`` unless the caller says the file is trusted.
 
 :func:`load_sharded` is how this package loads a DCP directory: every load path (resume,
-reshard, one-device loads of a sharded checkpoint) goes through it.
+reshard, one-device loads of a sharded checkpoint) goes through it; resume and export open a
+sharded checkpoint's ``meta.pt`` and ``.metadata`` with :func:`read_sharded_metadata` first.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
+from lightning_moe.parallel.checkpoint_files import rank_failures
+from lightning_moe.parallel.checkpoint_integrity import (
+    DCP_METADATA,
+    LAYOUT_KEY,
+    META_FILE,
+    CheckpointIntegrityError,
+    check_complete,
+)
 
 __all__ = [
     "RestrictedUnpickler",
@@ -49,10 +57,8 @@ __all__ = [
     "load_sharded",
     "load_torch_file",
     "read_dcp_metadata",
+    "read_sharded_metadata",
 ]
-
-DCP_METADATA = ".metadata"
-"""DCP's metadata file in a checkpoint directory."""
 
 # The classes DCP pickles into .metadata (recorded from the checkpoints of every layout the tests
 # save: plain, EP/ETP-sharded DTensors, optimizer states; torch 2.11-2.13). Looked up by name so a
@@ -65,15 +71,15 @@ _DCP_CLASSES = {
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
 }
 _MODULES = {"torch.distributed.checkpoint.metadata": _dcp_metadata, "torch.distributed.checkpoint.filesystem": _dcp_filesystem}
-_BUILDABLE: frozenset[type] = frozenset(
-    getattr(_MODULES[module], name) for module, names in _DCP_CLASSES.items() for name in names
-    if hasattr(_MODULES[module], name)
-)
+_DCP_OBJECTS: dict[tuple[str, str], type] = {
+    (module, name): getattr(_MODULES[module], name)
+    for module, names in _DCP_CLASSES.items() for name in names if hasattr(_MODULES[module], name)
+}
+_BUILDABLE: frozenset[type] = frozenset(_DCP_OBJECTS.values())
 """Classes whose instances BUILD may set the state of (DCP's metadata dataclasses)."""
 
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    **{(module, name): getattr(_MODULES[module], name)
-       for module, names in _DCP_CLASSES.items() for name in names if hasattr(_MODULES[module], name)},
+    **_DCP_OBJECTS,
     # StorageMeta.checkpoint_id: FileSystemWriter stores the path (Python 3.13 names the module pathlib._local).
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "WindowsPath"): pathlib.WindowsPath,
@@ -233,7 +239,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def set_up_storage_reader(self, metadata: _dcp_metadata.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """DCP's set-up, after checking that every storage file is inside the checkpoint directory."""
-        _check_storage_paths(metadata, str(self.path))
+        _check_storage_paths(metadata, str(Path(self.path) / DCP_METADATA))
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan, planner):
@@ -249,9 +255,13 @@ class SafeFileSystemReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
+# Errors that name the file and the cause: raised as they are, not wrapped in a RuntimeError.
+_NAMED_FAILURES = (UnsafeCheckpointError, CheckpointIntegrityError, FileNotFoundError)
+
+
 def _first_failure(err: CheckpointException) -> BaseException | None:
-    failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
-    for kind in (UnsafeCheckpointError, CheckpointIntegrityError, FileNotFoundError):
+    failures = list(rank_failures(err).values())
+    for kind in _NAMED_FAILURES:
         for failure in failures:
             if isinstance(failure, kind):
                 return failure
@@ -276,13 +286,13 @@ def load_sharded(
     path = Path(path)
     if metadata is None:
         metadata = read_dcp_metadata(path / DCP_METADATA)
-    _check_storage_paths(metadata, str(path / DCP_METADATA))
+    # The reader checks the storage paths (on every rank, inside DCP's collective steps).
     reader = SafeFileSystemReader(path, metadata=metadata)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(path), process_group=process_group)
     except CheckpointException as err:
         failure = _first_failure(err)
-        if isinstance(failure, (UnsafeCheckpointError, CheckpointIntegrityError, FileNotFoundError)):
+        if isinstance(failure, _NAMED_FAILURES):
             raise failure from err
         raise RuntimeError(f"Loading the checkpoint {path} failed: {type(failure).__name__}: {failure}") from err
 
@@ -309,3 +319,17 @@ def load_torch_file(path: Path | str, weights_only: bool = True) -> Any:
         raise CheckpointIntegrityError(
             f"{path} cannot be read ({type(err).__name__}: {err}): the file is truncated or corrupt."
         ) from err
+
+
+def read_sharded_metadata(path: Path, weights_only: bool = True) -> tuple[Any, _dcp_metadata.Metadata]:
+    """``(meta.pt, .metadata)`` of the sharded checkpoint directory ``path``, checked for completeness.
+
+    ``meta.pt`` loads with :func:`load_torch_file` (``weights_only`` unless the caller trusts the
+    file), ``.metadata`` with :func:`read_dcp_metadata`; then
+    :func:`~lightning_moe.parallel.checkpoint_integrity.check_complete` raises naming the first
+    missing, truncated or foreign file. Both files must exist (callers say which is missing).
+    """
+    meta = load_torch_file(path / META_FILE, weights_only)
+    metadata = read_dcp_metadata(path / DCP_METADATA)
+    check_complete(path, metadata, (meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None) or {})
+    return meta, metadata

@@ -29,17 +29,14 @@ atomically too.
 
 from __future__ import annotations
 
-import os
 import pickle
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -62,15 +59,18 @@ from lightning_moe.parallel.checkpoint_files import (
     probe_writable,
     remove_path,
     replace,
+    write_torch_file,
 )
 from lightning_moe.parallel.checkpoint_integrity import (
-    check_complete,
+    DCP_METADATA,
+    LAYOUT_KEY,
+    META_FILE,
     gather,
     has_digests,
     record_files,
     verify_digests,
 )
-from lightning_moe.parallel.checkpoint_security import DCP_METADATA, load_torch_file, read_dcp_metadata
+from lightning_moe.parallel.checkpoint_security import load_torch_file, read_sharded_metadata
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
 
 if TYPE_CHECKING:
@@ -78,7 +78,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MoECheckpointing"]
 
-_LAYOUT_KEY = "lightning_moe"
 _T = TypeVar("_T")
 
 
@@ -122,15 +121,6 @@ class _RecordingWriter(dcp.FileSystemWriter):
             raise OSError(os_error.errno, os_error.strerror, os_error.filename) from err
         self.written.update(result.storage_data.relative_path for result in results)
         return future
-
-
-def _write_torch_file(obj: Any, path: Path) -> None:
-    # Through a Python file object (not torch.save's own writer), so a full disk surfaces as the
-    # OSError with its errno; fsync before the rename that publishes it.
-    with open(path, "wb") as file:
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 class MoECheckpointing:
@@ -222,10 +212,10 @@ class MoECheckpointing:
                 raise errors[0]
             files = {name: record for records, _ in gathered for name, record in (records or {}).items()}
             files.update(record_files(partial, [DCP_METADATA], self.verify))
-            checkpoint[_LAYOUT_KEY] = {
+            checkpoint[LAYOUT_KEY] = {
                 "layout": self._layout(), "optimizer_param_groups": param_groups, "save_id": save_id, "files": files,
             }
-            self._guard_write(path, lambda: _write_torch_file(checkpoint, partial / _METADATA_FILENAME))
+            self._guard_write(path, lambda: write_torch_file(checkpoint, partial / META_FILE))
             self._guard_write(path, lambda: replace(partial, path, save_id))
 
         self._on_rank_zero(publish)
@@ -250,8 +240,8 @@ class MoECheckpointing:
         def write() -> None:
             partial = self._guard_write(path, lambda: prepare_partial(path, save_id, False))
             checkpoint["state_dict"] = state
-            checkpoint[_LAYOUT_KEY] = {"layout": self._layout(), "optimizer_param_groups": [], "save_id": save_id}
-            self._guard_write(path, lambda: _write_torch_file(checkpoint, partial))
+            checkpoint[LAYOUT_KEY] = {"layout": self._layout(), "optimizer_param_groups": [], "save_id": save_id}
+            self._guard_write(path, lambda: write_torch_file(checkpoint, partial))
             self._guard_write(path, lambda: replace(partial, path, save_id))
 
         self._on_rank_zero(write)
@@ -277,7 +267,7 @@ class MoECheckpointing:
     def _resolve(self, path: Path) -> Path:
         if path.exists():
             return path
-        previous = interrupted_replacement(path, _METADATA_FILENAME)
+        previous = interrupted_replacement(path)
         if previous is None:
             raise FileNotFoundError(2, f"Checkpoint {path} does not exist")
         rank_zero_warn(
@@ -288,16 +278,13 @@ class MoECheckpointing:
 
     def _check_sharded(self, path: Path, weights_only: bool) -> tuple[dict[str, Any], Any]:
         # Completeness, on rank 0: every file there, of this save, long enough.
-        for name in (_METADATA_FILENAME, DCP_METADATA):
+        for name in (META_FILE, DCP_METADATA):
             if not (path / name).is_file():
                 raise FileNotFoundError(
                     2, f"{path} is not a complete sharded lightning_moe checkpoint: no {name} (an interrupted "
                     "save or copy, or not a checkpoint)",
                 )
-        meta = load_torch_file(path / _METADATA_FILENAME, weights_only)
-        metadata = read_dcp_metadata(path / DCP_METADATA)
-        check_complete(path, metadata, meta.get(_LAYOUT_KEY, {}), DCP_METADATA)
-        return meta, metadata
+        return read_sharded_metadata(path, weights_only)
 
     def load(self, path: Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load ``path`` into the live model and optimizers; return Lightning's remaining metadata.
@@ -312,7 +299,7 @@ class MoECheckpointing:
         if path.is_file():
             checkpoint = load_torch_file(path, safe)
             model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
-            checkpoint.pop(_LAYOUT_KEY, None)
+            checkpoint.pop(LAYOUT_KEY, None)
             if self.strategy.optimizers:
                 rank_zero_warn(
                     f"{path} is a consolidated checkpoint: it holds the model weights only, so the optimizer "
@@ -325,8 +312,8 @@ class MoECheckpointing:
             checked["meta"], checked["metadata"] = self._check_sharded(path, safe)
 
         self._on_rank_zero(check)
-        meta = checked["meta"] if checked["meta"] is not None else load_torch_file(path / _METADATA_FILENAME, safe)
-        saved = meta.pop(_LAYOUT_KEY, {})
+        meta = checked["meta"] if checked["meta"] is not None else load_torch_file(path / META_FILE, safe)
+        saved = meta.pop(LAYOUT_KEY, {})
         if self.verify:
             if has_digests(saved.get("files")):
                 verify_digests(path, saved["files"])  # every rank its share, raised on every rank
