@@ -18,7 +18,6 @@ the RNG that will initialise it untouched.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers.user_model import UserMoELM
+from helpers.user_model import UserMoELM, write_user_project
 
 from lightning_moe import MoEConfig
 from lightning_moe.cli import check_layout_before_launch
@@ -38,7 +37,6 @@ from lightning_moe.strategies import MoEStrategy
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "configs" / "tiny_cpu.yaml"
-HELPERS = Path(__file__).resolve().parent / "helpers"
 # One torch + lightning import (~5 s here); without the early check the ranks would start, build
 # their process groups and fail in setup, which takes longer, but this is a hang guard, not a timing.
 SUBPROCESS_TIMEOUT_S = 180
@@ -59,20 +57,14 @@ CASES = {
 }
 
 
-def _user_project(root: Path) -> Path:
-    package = root / "my_project"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    shutil.copy(HELPERS / "user_model.py", package / "user_model.py")
-    config = root / "user.yaml"
-    config.write_text(
-        "trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  enable_checkpointing: false\n"
-        "  strategy:\n    class_path: lightning_moe.strategies.MoEStrategy\n"
-        "    init_args: {tensor_parallel_size: 2, expert_tensor_parallel_size: 1, expert_parallel_size: 2}\n"
-        "model:\n  class_path: my_project.user_model.UserMoELM\n"
-        "data:\n  class_path: my_project.user_model.RandomTokenDataModule\n"
-    )
-    return config
+USER_TP2_YAML = (
+    "trainer:\n  accelerator: cpu\n  devices: 2\n  logger: false\n  enable_checkpointing: false\n"
+    "  strategy:\n    class_path: lightning_moe.strategies.MoEStrategy\n"
+    "    init_args: {tensor_parallel_size: 2, expert_tensor_parallel_size: 1, expert_parallel_size: 2}\n"
+    "model:\n  class_path: my_project.user_model.UserMoELM\n"
+    "data:\n  class_path: my_project.user_model.RandomTokenDataModule\n"
+)
+"""The user project's config: TP=2, which its model (no tensor-parallel plan) cannot take."""
 
 
 def _run_fit(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -110,7 +102,7 @@ def test_reference_model_layout_error_before_any_rank_starts(case, tmp_path):
 
 @pytest.mark.slow
 def test_tensor_parallel_without_a_plan_fails_before_any_rank_starts(tmp_path):
-    config = _user_project(tmp_path)
+    config = write_user_project(tmp_path, USER_TP2_YAML)
     result = _run_fit(tmp_path, "--config", str(config))
     _assert_one_early_error(
         result, "tensor_parallel_size=2 needs a model lightning_moe can shard over tensor parallelism", tmp_path,

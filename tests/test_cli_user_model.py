@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 import yaml
 from helpers.asserts import assert_close_to_scale
 from helpers.dist import run_distributed
-from helpers.user_model import UserMoELM
+from helpers.user_model import UserMoELM, write_user_project
 
 from lightning_moe.cli import cli_main
 from lightning_moe.parallel.checkpoint_export import export_checkpoint
@@ -79,17 +78,6 @@ USER_YAML = textwrap.dedent(
 pytestmark = pytest.mark.filterwarnings(r"ignore:(?s).*(deprecated in v4\.49\.0|JSONARGPARSE_DEPRECATION_WARNINGS)")
 
 
-def make_user_project(root: Path) -> Path:
-    """``root/my_project/user_model.py`` (a copy of the helper) and ``root/user.yaml``; returns the YAML."""
-    package = root / "my_project"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    shutil.copy(HELPERS / "user_model.py", package / "user_model.py")
-    config = root / "user.yaml"
-    config.write_text(USER_YAML)
-    return config
-
-
 def probe_tokens() -> torch.Tensor:
     """The fixed input every model is run on after training."""
     return torch.randint(0, MODEL_ARGS["vocab_size"], (3, 16), generator=torch.Generator().manual_seed(5))
@@ -120,7 +108,7 @@ def _fit_user_model(rank: int, world_size: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def user_run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("cli_user_model")
-    make_user_project(root)
+    write_user_project(root, USER_YAML)
     ranks = run_distributed(_fit_user_model, WORLD, str(root), timeout_s=180, tmp_dir=root)
     return {"root": root, "ranks": ranks}
 

@@ -14,12 +14,15 @@ is needed::
 
     from helpers.user_model import RandomTokenDataModule, UserMoELM
 
-The module imports nothing from the test tree, so a copy of the file works on its own.
+The module imports nothing from the test tree, so a copy of the file works on its own
+(:func:`write_user_project` makes that copy).
 """
 
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -29,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_moe import MoEConfig, MoELayer
 
-__all__ = ["Block", "CausalSelfAttention", "LayerNorm", "RandomTokenDataModule", "UserMoELM"]
+__all__ = ["Block", "CausalSelfAttention", "LayerNorm", "RandomTokenDataModule", "UserMoELM", "write_user_project"]
 
 
 class LayerNorm(nn.Module):
@@ -187,3 +190,15 @@ class RandomTokenDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Validation batches in order."""
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, drop_last=True)
+
+
+def write_user_project(root: Path, config: str) -> Path:
+    """A user's project in ``root``: this file as the package module ``my_project.user_model``
+    (outside lightning_moe and the test tree) and ``config`` as ``root/user.yaml``; returns the YAML."""
+    package = root / "my_project"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    shutil.copy(Path(__file__), package / "user_model.py")
+    yaml_path = root / "user.yaml"
+    yaml_path.write_text(config)
+    return yaml_path

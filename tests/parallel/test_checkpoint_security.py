@@ -19,32 +19,22 @@ tests load real checkpoints through it too). No process group: DCP runs in its n
 
 from __future__ import annotations
 
-import io
-import os
+import dataclasses
 import pathlib
 import pickle
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from strategies.checkpoint_runs import MakeDir, redeclare_as_bytes_item
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from lightning_moe.parallel.checkpoint import SafeFileSystemReader, load_sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-class _MakeDir:
-    """Pickles as a call of ``os.makedirs(marker)``: the harmless stand-in for an attacker's code."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.makedirs, (self.marker,)
 
 
 def _global_call(module: str, name: str, *args) -> bytes:
@@ -76,7 +66,7 @@ def test_dotted_name_under_an_allowed_module_is_refused(tmp_path, name, args):
 def test_function_of_an_allowed_module_that_unpickles_is_refused(tmp_path):
     marker = tmp_path / "marker"
     payload = tmp_path / "payload.pt"
-    torch.save(_MakeDir(marker), payload)  # what torch_save_to_dcp would torch.load(weights_only=False)
+    torch.save(MakeDir(marker), payload)  # what torch_save_to_dcp would torch.load(weights_only=False)
     _write_metadata(
         tmp_path / "ckpt",
         _global_call("torch.distributed.checkpoint.format_utils", "torch_save_to_dcp", str(payload), str(tmp_path / "out")),
@@ -105,20 +95,7 @@ def _checkpoint_with_bytes_item(tmp_path: Path, key: str) -> tuple[Path, Path]:
     pickle appended to its shard. Returns (checkpoint, marker)."""
     ckpt, marker = tmp_path / "ckpt", tmp_path / "marker"
     dcp.save({key: torch.arange(16.0), "other": torch.ones(3)}, checkpoint_id=ckpt)
-    with open(ckpt / ".metadata", "rb") as file:
-        metadata = pickle.load(file)  # our own file, just written: trusted
-    (index,) = [i for i in metadata.storage_data if i.fqn == key]
-    shard = ckpt / metadata.storage_data[index].relative_path
-    buffer = io.BytesIO()
-    torch.save(_MakeDir(marker), buffer)
-    offset = shard.stat().st_size
-    with open(shard, "ab") as file:
-        file.write(buffer.getvalue())
-    metadata.state_dict_metadata[key] = BytesStorageMetadata()
-    del metadata.storage_data[index]
-    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(shard.name, offset, len(buffer.getvalue()))
-    with open(ckpt / ".metadata", "wb") as file:
-        pickle.dump(metadata, file)
+    redeclare_as_bytes_item(ckpt, key, MakeDir(marker))
     return ckpt, marker
 
 
@@ -139,6 +116,25 @@ def test_bytes_item_in_place_of_a_tensor_is_refused_by_load_sharded(tmp_path):
     assert not marker.exists(), "the crafted bytes item ran code"
 
 
+def test_storage_file_outside_the_checkpoint_is_refused(tmp_path):
+    """``.metadata`` naming ``../outside.distcp`` as an item's file would make DCP read outside the folder."""
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=ckpt)
+    with open(ckpt / ".metadata", "rb") as file:
+        metadata = pickle.load(file)  # our own file, just written: trusted
+    (index,) = metadata.storage_data
+    info = metadata.storage_data[index]
+    shutil.copy(ckpt / info.relative_path, tmp_path / "outside.distcp")  # a readable file is there
+    metadata.storage_data[index] = dataclasses.replace(info, relative_path="../outside.distcp")
+    with open(ckpt / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    pattern = rf"{re.escape(str(ckpt / '.metadata'))} names the storage file '\.\./outside\.distcp', which is not a file inside"
+    with pytest.raises(pickle.UnpicklingError, match=pattern):
+        load_sharded({"w": torch.zeros(4)}, ckpt)
+    with pytest.raises(CheckpointException, match=pattern):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=SafeFileSystemReader(ckpt))
+
+
 def test_declared_non_tensor_values_load_with_weights_only(tmp_path):
     """A value the template itself declares as non-tensor loads, but only through ``weights_only``."""
     dcp.save({"w": torch.arange(4.0), "note": "epoch 3"}, checkpoint_id=tmp_path / "plain")
@@ -148,7 +144,7 @@ def test_declared_non_tensor_values_load_with_weights_only(tmp_path):
     assert state["note"] == "epoch 3"
 
     marker = tmp_path / "marker"
-    dcp.save({"w": torch.arange(4.0), "note": _MakeDir(marker)}, checkpoint_id=tmp_path / "code")
+    dcp.save({"w": torch.arange(4.0), "note": MakeDir(marker)}, checkpoint_id=tmp_path / "code")
     assert not marker.exists()
     with pytest.raises(pickle.UnpicklingError, match=r"(?s)bytes item 'note' holds objects other than tensors.*os\.makedirs"):
         load_sharded({"w": torch.zeros(4), "note": ""}, tmp_path / "code")

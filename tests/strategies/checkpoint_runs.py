@@ -1,8 +1,9 @@
-"""Short `MoEStrategy` fits that save or resume checkpoints, for the checkpoint-safety tests.
+"""Short `MoEStrategy` fits that save or resume checkpoints, and ways to damage or craft one.
 
-Imported as ``from strategies.checkpoint_runs import ...`` by ``test_checkpoint_safety.py`` and
-``test_checkpoint_integrity.py``. Every function here runs inside a forked rank of
-``helpers.dist.run_distributed`` (the process group exists; `MoEStrategy` launches nothing).
+Imported as ``from strategies.checkpoint_runs import ...`` by ``test_checkpoint_safety.py``,
+``test_checkpoint_integrity.py`` and ``parallel/test_checkpoint_security.py``. :func:`fit` runs
+inside a forked rank of ``helpers.dist.run_distributed`` (the process group exists; `MoEStrategy`
+launches nothing); :func:`flip_tensor_byte` and :func:`redeclare_as_bytes_item` edit files on disk.
 
 The oracle of every resume is :class:`StateCapture`: the full model weights and AdamW moments
 (expert shards reassembled by ``strategies.toy.full_tensors``, not by the strategy) at the end of
@@ -12,6 +13,9 @@ at ``on_train_start``, right after a checkpoint was loaded.
 
 from __future__ import annotations
 
+import io
+import os
+import pickle
 from pathlib import Path
 
 import lightning as L
@@ -25,10 +29,20 @@ from strategies.toy import (
     quiet_trainer_kwargs,
     train_loader,
 )
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from lightning_moe.strategies import MoEStrategy
 
-__all__ = ["STEPS_PER_EPOCH", "StateCapture", "assert_same_state", "fit", "flip_tensor_byte"]
+__all__ = [
+    "STEPS_PER_EPOCH",
+    "MakeDir",
+    "StateCapture",
+    "assert_same_state",
+    "fit",
+    "flip_tensor_byte",
+    "redeclare_as_bytes_item",
+]
 
 STEPS_PER_EPOCH = 2
 
@@ -108,3 +122,32 @@ def flip_tensor_byte(shard: Path, tensor: torch.Tensor) -> None:
     assert start >= 0 and data.find(raw, start + 1) < 0, f"{shard.name}: the tensor's bytes are not there exactly once"
     data[start + len(raw) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+
+
+class MakeDir:
+    """Pickles as a call of ``os.makedirs(marker)``: the harmless stand-in for an attacker's code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.makedirs, (self.marker,)
+
+
+def redeclare_as_bytes_item(ckpt: Path, key: str, payload: object) -> None:
+    """Turn the tensor ``key`` of the DCP checkpoint ``ckpt`` into a pickled (bytes) item holding
+    ``payload``: ``torch.save(payload)`` appended to the key's shard, ``.metadata`` pointing there."""
+    with open(ckpt / ".metadata", "rb") as file:
+        metadata = pickle.load(file)  # written by the calling test: trusted
+    (index,) = [i for i in metadata.storage_data if i.fqn == key]
+    shard = ckpt / metadata.storage_data[index].relative_path
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as file:
+        file.write(buffer.getvalue())
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    del metadata.storage_data[index]
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(shard.name, offset, len(buffer.getvalue()))
+    with open(ckpt / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)

@@ -24,9 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.dist import run_distributed
-from strategies.checkpoint_runs import STEPS_PER_EPOCH, assert_same_state, fit, flip_tensor_byte
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+from strategies.checkpoint_runs import (
+    STEPS_PER_EPOCH,
+    MakeDir,
+    assert_same_state,
+    fit,
+    flip_tensor_byte,
+    redeclare_as_bytes_item,
+)
 
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
 from lightning_moe.strategies import MoEStrategy
@@ -191,33 +196,11 @@ def test_incomplete_or_unreadable_checkpoints_name_the_file(saved, tmp_path):
     assert run_distributed(_every_damage_fails, WORLD, cases, tmp_dir=tmp_path) == ["ok"] * WORLD
 
 
-class _MakeDir:
-    """Pickles as ``os.makedirs(marker)``: a harmless stand-in for an attacker's code."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.makedirs, (self.marker,)
-
-
 def test_bytes_item_in_a_self_consistent_checkpoint_runs_no_code(saved, tmp_path):
     """A tensor re-declared as a pickled bytes item (appended to its shard), with the digests in
     meta.pt rewritten to match: DCP's default planner would torch.load(weights_only=False) it."""
     ckpt, marker, key = _copy(saved, "epoch=1.ckpt", tmp_path), tmp_path / "marker", "state_dict.net.head.bias"
-    metadata = _metadata(ckpt)
-    (index,) = [i for i in metadata.storage_data if i.fqn == key]
-    shard = ckpt / metadata.storage_data[index].relative_path
-    payload = io.BytesIO()
-    torch.save(_MakeDir(marker), payload)
-    offset = shard.stat().st_size
-    with open(shard, "ab") as file:
-        file.write(payload.getvalue())
-    metadata.state_dict_metadata[key] = BytesStorageMetadata()
-    del metadata.storage_data[index]
-    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(shard.name, offset, len(payload.getvalue()))
-    with open(ckpt / ".metadata", "wb") as file:
-        pickle.dump(metadata, file)
+    redeclare_as_bytes_item(ckpt, key, MakeDir(marker))
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
     for name, record in meta["lightning_moe"].get("files", {}).items():
         record.update(size=(ckpt / name).stat().st_size, sha256=hashlib.sha256((ckpt / name).read_bytes()).hexdigest())
@@ -260,7 +243,7 @@ def test_consolidated_checkpoint_is_replaced_atomically_and_checked(tmp_path):
     with open(truncated, "r+b") as file:
         file.truncate(file.seek(0, os.SEEK_END) // 2)
     checkpoint = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
-    checkpoint["hyper_parameters"] = {"payload": _MakeDir(marker)}
+    checkpoint["hyper_parameters"] = {"payload": MakeDir(marker)}
     torch.save(checkpoint, code)
     assert run_distributed(_consolidated_damage_fails, WORLD, str(truncated), str(code), tmp_dir=tmp_path) == ["ok"] * 2
     assert not marker.exists(), "the consolidated checkpoint ran code"
