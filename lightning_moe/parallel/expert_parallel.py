@@ -31,6 +31,7 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import RouterReduction
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers import DISPATCHERS, make_dispatcher
+from lightning_moe.parallel.layout_check import expert_layer_problems
 
 __all__ = ["ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "expert_shard", "is_expert_param"]
 
@@ -180,20 +181,11 @@ def _router_reduction(ctx: ParallelContext) -> RouterReduction:
 
 def _check_layer(layer: MoELayer, ctx: ParallelContext) -> None:
     """Every reason a layer cannot be sharded on ``ctx``, raised before anything is changed."""
-    config, experts = layer.config, layer.experts
-    etp = ctx.size("etp")
-    ctx.dims.validate_num_experts(config.num_experts)
-    if config.ffn_hidden_size % etp:
-        raise ValueError(
-            f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by the expert tensor parallel "
-            f"size {etp}; choose an ETP size that divides it."
-        )
-    if config.fc2_bias and etp > 1:
-        raise ValueError(
-            "fc2_bias=True needs expert_tensor_parallel_size=1: every ETP shard would add the bias to "
-            f"its partial output (got ETP={etp}). Turn the bias off or use ETP=1."
-        )
-    if experts.expert_offset != 0 or experts.num_experts != config.num_experts:
+    problems = expert_layer_problems(layer.config, ctx.dims)
+    if problems:
+        raise ValueError(problems[0])
+    experts = layer.experts
+    if experts.expert_offset != 0 or experts.num_experts != layer.config.num_experts:
         raise RuntimeError("apply_expert_parallel was already applied to this MoELayer.")
 
 

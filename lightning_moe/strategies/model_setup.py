@@ -20,6 +20,7 @@ from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
 from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.layout_check import tensor_parallel_support_problem
 from lightning_moe.parallel.parallelize import parallelize
 
 __all__ = [
@@ -31,22 +32,13 @@ _LAYOUT_ATTR = "_lightning_moe_layout"
 
 
 def check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
-    """TP > 1 needs a tensor-parallel plan for every MoE layer's surroundings.
+    """Raise ``ValueError`` unless every MoE layer of ``model`` sits in a tensor-parallel plan at ``tp``.
 
-    The ranks of a TP group get the same samples; the reference :class:`MoETransformer` splits
-    each sequence over them (sequence parallelism). A MoE layer outside it would route the same
-    tokens on every TP rank and its gradients would count them TP times.
+    See :func:`~lightning_moe.parallel.layout_check.tensor_parallel_support_problem`.
     """
-    if tp == 1:
-        return
-    inside = {id(m) for t in model.modules() if isinstance(t, MoETransformer) for m in t.modules()}
-    outside = [name for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in inside]
-    if outside:
-        raise ValueError(
-            f"tensor_parallel_size={tp} needs a model lightning_moe can shard over tensor parallelism "
-            f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
-            "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
-        )
+    problem = tensor_parallel_support_problem(model, tp)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def broadcast_initial_state(model: nn.Module) -> None:
