@@ -5,7 +5,8 @@ preemption; ``--signal=TERM@120`` makes it two minutes early). A sharded checkpo
 written by every rank together, but the signal reaches the ranks at different moments (or only
 some of them), and Lightning acts on it where each rank happens to be. So this callback takes the
 signal over while training: its handler only records it, and at the end of every training batch
-the ranks agree on one flag (a max all-reduce of one number). The first batch end at which any
+the ranks agree on one flag (the strategy's ``reduce_boolean_decision``: one all-reduce of one
+number over the ranks, nothing at all on one device). The first batch end at which any
 rank has it, every rank saves the checkpoint there, together, and then stops with
 ``SIGTERMException`` (exit code 143 = 128 + SIGTERM, so the scheduler and wrapper scripts see
 that the run did not finish). A signal during validation takes effect at the next training batch.
@@ -21,8 +22,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -68,10 +67,8 @@ class CheckpointOnSigterm(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         """Agree across ranks whether any got SIGTERM; if so, save together and stop."""
-        flag = torch.tensor([float(self._requested)], device=pl_module.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not bool(flag.item()):
+        # Any rank (all=False); Lightning's own per-batch check broadcasts rank 0's signal only.
+        if not trainer.strategy.reduce_boolean_decision(self._requested, all=False):
             return
         path = self.checkpoint_path(trainer)
         trainer.save_checkpoint(path)
@@ -90,7 +87,3 @@ class CheckpointOnSigterm(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Give SIGTERM back (training ended with an error or by this callback's stop)."""
         self._restore_handler()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Nothing to save: a resumed run starts without a pending signal."""
-        return {}

@@ -1,8 +1,9 @@
 """SIGTERM (what SLURM sends before it kills a job): a checkpoint, a non-zero exit, then a resume.
 
-Rank 0 receives the signal during step 2; Lightning hands it to every rank at the next batch.
-Oracle: the step counter and the checkpoint itself: the run exits with 143, `CheckpointOnSigterm`
-wrote ``last.ckpt`` at the step it stopped, and ``ckpt_path="last"`` resumes there and finishes.
+Rank 0 receives the signal after step 2; `CheckpointOnSigterm` agrees on it with every rank at the
+next batch end (without the callback, every rank gets it and Lightning stops them). Oracle: the
+step counter and the checkpoint itself: the run exits with 143, `CheckpointOnSigterm` wrote
+``last.ckpt`` at the step it stopped, and ``ckpt_path="last"`` resumes there and finishes.
 """
 
 from __future__ import annotations
