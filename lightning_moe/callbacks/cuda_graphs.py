@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_moe.graphs import CUDAGraphManager, find_targets, missing_scopes, validate_scopes
 
@@ -73,14 +73,9 @@ class CUDAGraphCapture(Callback):
         self.strict = strict
         self.emulate = emulate
         self.manager: CUDAGraphManager | None = None
-        self._warned: set[str] = set()
+        self._warnings = WarningCache()  # each message once per callback
         self._batches = 0
         self._last_stats: dict[str, dict[str, int]] = {}
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(message)
 
     def _scopes_found(self, pl_module: LightningModule) -> tuple[str, ...]:
         """The scopes that find something in ``pl_module``; the others warn once (or raise when strict)."""
@@ -94,7 +89,7 @@ class CUDAGraphCapture(Callback):
             if self.strict:
                 raise ValueError(f"{message} Drop {scope!r} from the scopes (raised because strict=True).")
             left = f"kept scopes: {list(kept)}" if kept else "no scope is left, the model runs eagerly"
-            self._warn_once(f"missing:{scope}", f"{message} The scope is skipped; {left}.")
+            self._warnings.warn(f"{message} The scope is skipped; {left}.")
         return kept
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -111,7 +106,7 @@ class CUDAGraphCapture(Callback):
             )
             if self.strict:
                 raise RuntimeError(message + " Pass strict=False to continue without graphs.")
-            self._warn_once("device", message)
+            self._warnings.warn(message)
             return
         self._batches = 0
         self.manager = CUDAGraphManager(

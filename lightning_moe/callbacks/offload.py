@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_moe.memory.handles import ModuleSpec
 from lightning_moe.memory.offload import (
@@ -72,7 +72,7 @@ class ActivationOffload(Callback):
         self.min_tensor_bytes = min_tensor_bytes
         self.strict = strict
         self._handle: OffloadHandle | None = None
-        self._warned: set[str] = set()
+        self._warnings = WarningCache()  # each message once per callback
 
     @property
     def offloader(self) -> ActivationOffloader | None:
@@ -89,11 +89,6 @@ class ActivationOffload(Callback):
         """For each name, its boundaries (qualified module names; empty before ``fit``)."""
         return {} if self._handle is None else dict(self._handle.modules)
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(message)
-
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Install the boundaries on ``pl_module``; warn (or raise with ``strict``) for unmatched names."""
         if self._handle is not None:
@@ -101,16 +96,12 @@ class ActivationOffload(Callback):
         device = pl_module.device
         handle = apply_activation_offload(pl_module, self.modules, self.min_tensor_bytes,
                                           ActivationOffloader(device, self.min_tensor_bytes), self.targets)
-        message = handle.unmatched_message("ActivationOffload", type(pl_module).__name__)
-        if message is not None and self.strict:
-            handle.remove()
-            raise ValueError(f"{message} Raised because strict=True.")
+        message = handle.check_unmatched("ActivationOffload", type(pl_module).__name__, self.strict)
         self._handle = handle
         if message is not None:
-            self._warn_once("unmatched", message)
+            self._warnings.warn(message)
         if device.type == "cpu":
-            self._warn_once(
-                "cpu",
+            self._warnings.warn(
                 "ActivationOffload on a CPU-only run saves no memory: activations are copied host to "
                 "host (the logic runs, nothing is freed). Train on a GPU to offload to pinned host memory.",
             )

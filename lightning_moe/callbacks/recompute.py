@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lightning_moe.memory.handles import ModuleSpec
 from lightning_moe.memory.recompute import (
@@ -66,7 +66,7 @@ class SelectiveRecompute(Callback):
         self.targets = check_recompute_targets(targets, self.modules)
         self.strict = strict
         self._handle: RecomputeHandle | None = None
-        self._warned = False
+        self._warnings = WarningCache()  # each message once per callback
 
     @property
     def applied(self) -> dict[str, list[str]]:
@@ -78,14 +78,10 @@ class SelectiveRecompute(Callback):
         if self._handle is not None:
             return
         handle = apply_selective_recompute(pl_module, self.modules, self.targets)
-        message = handle.unmatched_message("SelectiveRecompute", type(pl_module).__name__)
-        if message is not None and self.strict:
-            handle.remove()
-            raise ValueError(f"{message} Raised because strict=True.")
+        message = handle.check_unmatched("SelectiveRecompute", type(pl_module).__name__, self.strict)
         self._handle = handle
-        if message is not None and not self._warned:
-            self._warned = True
-            rank_zero_warn(message)
+        if message is not None:
+            self._warnings.warn(message)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Restore every recomputed module."""

@@ -82,6 +82,14 @@ class AppliedHandle:
             message += f" Name your own modules with targets={{{example}}}: {PATTERN_HELP}."
         return message
 
+    def check_unmatched(self, caller: str, owner: str, strict: bool) -> str | None:
+        """:meth:`unmatched_message`; with ``strict``, a ``ValueError`` with it instead, after :meth:`remove`."""
+        message = self.unmatched_message(caller, owner)
+        if message is not None and strict:
+            self.remove()
+            raise ValueError(f"{message} Raised because strict=True.")
+        return message
+
     def remove(self) -> None:
         """Undo every change, in reverse order of application."""
         while self._undo:

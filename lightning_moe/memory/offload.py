@@ -68,8 +68,17 @@ __all__ = [
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 """Boundary names accepted by :func:`apply_activation_offload` (Megatron's ``offload_modules``)."""
 
-OFFLOAD_TARGETABLE = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
-"""Names whose modules a user's model can name itself (``targets``); the expert names are found by type."""
+_SUFFIXES = {  # the default rule of the names found by module name (reference model names)
+    "attn_norm": ("attn_norm",),
+    "qkv_linear": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+    "core_attn": ("attn.core_attn",),
+    "attn_proj": ("attn.o_proj",),
+    "mlp_norm": ("ffn_norm",),
+}
+
+OFFLOAD_TARGETABLE = tuple(_SUFFIXES)
+"""Names whose modules a user's model can name itself (``targets``): those found by module name;
+the expert names are found by type."""
 
 OFFLOAD_DEFAULT_TARGETS = {
     "attn_norm": "modules named attn_norm",
@@ -83,13 +92,6 @@ OFFLOAD_DEFAULT_TARGETS = {
 """What each name matches without ``targets`` (the text of the unmatched-name warning)."""
 
 _EXPERT_KINDS = ("expert_fc1", "moe_act")
-_SUFFIXES = {
-    "attn_norm": ("attn_norm",),
-    "qkv_linear": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
-    "core_attn": ("attn.core_attn",),
-    "attn_proj": ("attn.o_proj",),
-    "mlp_norm": ("ffn_norm",),
-}
 
 
 @dataclass
@@ -186,9 +188,7 @@ def apply_activation_offload(
             matched = list(dict.fromkeys(_qkv_key(name) for name in matched))
         handle.modules[kind] = matched
         handle.looked_for[kind] = describe_specs(custom[kind]) if kind in custom else OFFLOAD_DEFAULT_TARGETS[kind]
-    message = handle.unmatched_message("apply_activation_offload", type(model).__name__) if strict else None
-    if message is not None:
-        raise ValueError(f"{message} Raised because strict=True.")
+    handle.check_unmatched("apply_activation_offload", type(model).__name__, strict)  # before anything is changed
     try:
         for name, module in experts:
             for kind in expert_kinds:

@@ -446,9 +446,7 @@ def apply_selective_recompute(
     for kind in kinds:
         handle.modules[kind] = [name for name, _ in found[kind]]
         handle.looked_for[kind] = describe_specs(custom[kind]) if kind in custom else RECOMPUTE_DEFAULT_TARGETS[kind]
-    message = handle.unmatched_message("apply_selective_recompute", type(model).__name__) if strict else None
-    if message is not None:
-        raise ValueError(f"{message} Raised because strict=True.")
+    handle.check_unmatched("apply_selective_recompute", type(model).__name__, strict)  # before anything is changed
     scopes: dict[int, _DiscardScope] = {}
     try:
         for kind in kinds:
