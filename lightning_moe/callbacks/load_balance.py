@@ -52,6 +52,15 @@ from lightning_moe.metrics.load_balance import (
 __all__ = ["LoadBalanceMonitor"]
 
 
+def _stepped_batches(trainer: Trainer) -> int:
+    """Training batches that ended with an optimizer step so far: Lightning's logger step (its rows).
+
+    A private counter (no public equivalent; ``LightningModule.log`` numbers its rows by it too).
+    Inside ``on_train_batch_end`` it does not count the batch's own step yet; ``global_step`` does.
+    """
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 def _positive_or_none(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
@@ -193,14 +202,10 @@ class LoadBalanceMonitor(Callback):
         last_step = 0 < trainer.max_steps <= step  # the fit loop stops after this batch
         if step % self._window and not last_step:
             return
-        # Lightning numbers this batch's rows by the optimizer steps taken before it (private
-        # counter; ``global_step`` already counts the step just taken).
-        self._report(trainer, step, row=trainer.fit_loop.epoch_loop._batches_that_stepped, pl_module=pl_module)
+        # Lightning numbers this batch's rows by the optimizer steps taken before it.
+        self._report(trainer, step, row=_stepped_batches(trainer), pl_module=pl_module)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._forget_logged(trainer)
-
-    def _forget_logged(self, trainer: Trainer) -> None:
         """Take the last report out of Lightning's step results once they have been written.
 
         Lightning writes every ``on_step`` value logged earlier in the epoch again at each of its
@@ -208,8 +213,10 @@ class LoadBalanceMonitor(Callback):
         theirs. Resetting its entries (private ``_ResultCollection``, keys ``<hook>.<name>``)
         leaves them out until the next report logs them afresh.
         """
-        results = trainer._results if self._logged_keys else None
-        for key in self._logged_keys if results is not None else ():
+        if not self._logged_keys:
+            return
+        results = trainer._results
+        for key in self._logged_keys:
             if key in results:
                 results[key].reset()
         self._logged_keys = []
@@ -217,11 +224,11 @@ class LoadBalanceMonitor(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # The last, partial window (every rank reaches this point: the sync is safe), on the row of
         # the last optimizer step; then the last window's heatmap if it was not drawn yet.
+        row = max(0, _stepped_batches(trainer) - 1)
         if self._metric is not None and trainer.global_step > self._last_report_step:
-            row = max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1)
             self._report(trainer, trainer.global_step, row=row, pl_module=None)
         if self._draw_heatmaps and self._last_window is not None and self._heatmap_step != self._last_window[1]:
-            self._heatmap(trainer, row=max(0, trainer.fit_loop.epoch_loop._batches_that_stepped - 1))
+            self._heatmap(trainer, row=row)
 
     def _collect(self) -> None:
         metric = self._metric

@@ -9,8 +9,6 @@ large.
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -61,7 +59,3 @@ class MoELossScaling(Callback):
             return
         accumulation = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         self._scale.update(1.0 / accumulation, getattr(trainer.precision_plugin, "scaler", None))
-
-    def state_dict(self) -> dict[str, Any]:
-        """Nothing to save: the scale is derived from the Trainer every step."""
-        return {}
