@@ -14,6 +14,8 @@ and none of the reference model's names. Trained through ``Trainer.fit`` on CPU:
 
 from __future__ import annotations
 
+import functools
+
 import lightning as L
 import pytest
 import torch
@@ -62,6 +64,26 @@ def unmatched_warnings(messages: list[str], feature: str) -> list[str]:
     return [m for m in messages if m.startswith(feature) and "matched no module" in m]
 
 
+@functools.cache
+def plain_run(**trainer_kwargs):
+    """The run without memory callbacks, saved bytes counted (the oracle; deterministic, so shared)."""
+    return fit_user([], count_saved=True, **trainer_kwargs)[0]
+
+
+def fit_against_plain(callback, **trainer_kwargs):
+    """Fit with ``callback`` (and an `AppliedProbe` of it), saved bytes counted, and check it against the plain run.
+
+    Every such run must match all its names (no unmatched-name warning) and give the plain run's
+    losses and gradients. Returns ``(got, plain, probe, messages)``.
+    """
+    plain = plain_run(**trainer_kwargs)
+    probe = AppliedProbe(callback)
+    got, messages = fit_user([callback, probe], count_saved=True, **trainer_kwargs)
+    assert not unmatched_warnings(messages, type(callback).__name__), messages
+    assert_same_run(got, plain)
+    return got, plain, probe, messages
+
+
 # ------------------------------------------------------------------------------- selective recompute
 
 
@@ -87,19 +109,15 @@ def test_recompute_strict_raises_for_unmatched_names():
 
 
 def test_recompute_of_the_users_own_norms_and_attention_equals_the_plain_run_and_saves_their_bytes():
-    plain, _ = fit_user([], count_saved=True)
     callback = SelectiveRecompute(
         modules=["moe_act", "layernorm", "attention"],
         targets={"layernorm": [nn.LayerNorm], "attention": ["blocks.*.attn"]},
     )
-    probe = AppliedProbe(callback)
-    got, messages = fit_user([callback, probe], count_saved=True)
-    assert not unmatched_warnings(messages, "SelectiveRecompute"), messages
+    got, plain, probe, _ = fit_against_plain(callback)
     assert probe.applied["layernorm"] == [
         "net.blocks.0.norm1", "net.blocks.0.norm2", "net.blocks.1.norm1", "net.blocks.1.norm2", "net.norm",
     ]
     assert probe.applied["attention"] == ["net.blocks.0.attn", "net.blocks.1.attn"]
-    assert_same_run(got, plain)
     for saved, base in zip(got.saved, plain.saved, strict=True):
         for i in (0, 1):
             # Without recompute: the norm keeps its input, mean and rstd; the attention its input,
@@ -174,7 +192,6 @@ def test_offload_strict_raises_for_unmatched_names():
 
 
 def test_offload_of_the_users_own_modules_equals_the_plain_run_and_moves_their_bytes():
-    plain, _ = fit_user([], count_saved=True)
     callback = ActivationOffload(
         modules=["attn_norm", "qkv_linear", "attn_proj", "mlp_norm", "expert_fc1"],
         targets={"attn_norm": ["norm1"], "qkv_linear": ["attn.qkv"], "attn_proj": ["blocks.*.attn.proj"],
@@ -190,9 +207,7 @@ def test_offload_of_the_users_own_modules_equals_the_plain_run_and_moves_their_b
                  "mlp_norm": ["blocks.*.norm2"]},
         min_tensor_bytes=0,
     )
-    probe = AppliedProbe(callback)
-    got, messages = fit_user([callback, probe], count_saved=True)
-    assert not unmatched_warnings(messages, "ActivationOffload"), messages
+    got, plain, probe, _ = fit_against_plain(callback)
     assert probe.applied == {
         "attn_norm": ["net.blocks.0.norm1", "net.blocks.1.norm1"],
         "qkv_linear": ["net.blocks.0.attn.qkv_linear", "net.blocks.1.attn.qkv_linear"],
@@ -200,7 +215,6 @@ def test_offload_of_the_users_own_modules_equals_the_plain_run_and_moves_their_b
         "mlp_norm": ["net.blocks.0.norm2", "net.blocks.1.norm2"],
         "expert_fc1": ["net.blocks.0.moe.experts", "net.blocks.1.moe.experts"],
     }
-    assert_same_run(got, plain)
     steps = len(got.losses)
     # Every layer but the last (warm-up rule) moves what the boundary saves, every step:
     # norms their input + mean + rstd, qkv and proj their input ([B, S, H] each).
@@ -235,17 +249,14 @@ def test_offload_targets_are_checked():
 
 @pytest.mark.gpu
 def test_gpu_offload_of_the_users_own_modules_returns_the_same_gradients_and_frees_their_storages():
-    plain, _ = fit_user([], count_saved=True, accelerator="gpu")
     callback = ActivationOffload(
         modules=["attn_norm", "qkv_linear", "attn_proj", "mlp_norm", "expert_fc1"],
         targets={"attn_norm": ["norm1"], "qkv_linear": ["attn.qkv"], "attn_proj": ["attn.proj"],
                  "mlp_norm": ["norm2"]},
         min_tensor_bytes=0,
     )
-    probe = AppliedProbe(callback)
-    got, messages = fit_user([callback, probe], count_saved=True, accelerator="gpu")
-    assert not unmatched_warnings(messages, "ActivationOffload") and not any("saves no memory" in m for m in messages)
-    assert_same_run(got, plain)
+    got, plain, probe, messages = fit_against_plain(callback, accelerator="gpu")
+    assert not any("saves no memory" in m for m in messages)
     steps = len(got.losses)
     assert probe.offloaded["attn_norm"] == probe.offloaded["mlp_norm"] == steps * (ACTIVATION + NORM_STATS)
     assert probe.offloaded["qkv_linear"] == probe.offloaded["attn_proj"] == steps * ACTIVATION

@@ -4,6 +4,12 @@ None of its modules has a reference-model name (``attn_norm``, ``ffn_norm``, ``q
 type (``TransformerBlock``, ``Attention``, ``CoreAttention``), so the memory features and the
 CUDA-graph scopes only find what they find by the package's own layer types. Shared by
 ``tests/memory`` and ``tests/graphs``; import as ``from memory.user_model import ...``.
+
+Why not ``helpers/user_model.py`` (the CLI tests' user project, whose attention module this one
+uses): the byte counts of these tests need ``torch.nn.LayerNorm`` (it saves exactly its input,
+mean and rstd; that project's own LayerNorm saves every intermediate), SGD, a seed per batch and
+a LightningModule that records losses, gradients and saved bytes; that file must stay a
+stand-alone user project.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import warnings
 import lightning as L
 import torch
 import torch.nn.functional as F
+from helpers.user_model import CausalSelfAttention
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -20,34 +27,18 @@ from lightning_moe import MoEConfig, MoELayer
 from lightning_moe.callbacks.loss_scaling import MoELossScaling
 from lightning_moe.memory import SavedTensorCounter
 
-__all__ = ["HIDDEN", "SEQ", "VOCAB", "SelfAttention", "UserBlock", "UserLM", "UserModel", "fit_user", "user_batches"]
+__all__ = ["HIDDEN", "SEQ", "VOCAB", "UserBlock", "UserLM", "UserModel", "fit_user", "user_batches"]
 
 VOCAB, HIDDEN, HEADS, EXPERTS, FFN, SEQ = 64, 32, 4, 4, 16, 8
 
 
-class SelfAttention(nn.Module):
-    """Causal self-attention with one fused ``qkv`` projection and an output ``proj``."""
-
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden))
-
-
 class UserBlock(nn.Module):
-    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + moe(norm2(x))``."""
+    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + moe(norm2(x))`` (attention: fused ``qkv``, ``proj``)."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.hidden_size)
-        self.attn = SelfAttention(config.hidden_size, HEADS)
+        self.attn = CausalSelfAttention(config.hidden_size, HEADS)
         self.norm2 = nn.LayerNorm(config.hidden_size)
         self.moe = MoELayer(config)
 
