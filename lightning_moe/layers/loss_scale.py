@@ -67,8 +67,6 @@ class LossGradScale:
         Reads the GradScaler's scale on the device through its public ``scale()`` (which also
         creates the scale on first use), so nothing is copied to the host.
         """
+        self.value.fill_(factor)
         if grad_scaler is not None and grad_scaler.is_enabled():
-            one = torch.ones((), dtype=torch.float32, device=self.value.device)
-            self.value.copy_(grad_scaler.scale(one) * factor)
-        else:
-            self.value.fill_(factor)
+            self.value.copy_(grad_scaler.scale(self.value))
