@@ -5,17 +5,22 @@ from lightning_moe.parallel.context import ParallelContext, build_parallel_conte
 from lightning_moe.parallel.dims import GROUP_NAMES, ParallelDims, RankCoords
 from lightning_moe.parallel.dispatchers import AllGatherDispatcher, AllToAllDispatcher, DispatchStats
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel, expert_shard, is_expert_param
+from lightning_moe.parallel.fully_shard import SHARDING_STRATEGIES, apply_fully_shard
 from lightning_moe.parallel.parallelize import parallelize
+from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 
 __all__ = [
     "GROUP_NAMES",
+    "SHARDING_STRATEGIES",
     "AllGatherDispatcher",
     "AllToAllDispatcher",
     "DispatchStats",
     "ParallelContext",
     "ParallelDims",
     "RankCoords",
+    "ShardedGradSync",
     "apply_expert_parallel",
+    "apply_fully_shard",
     "build_parallel_context",
     "expert_shard",
     "is_expert_param",

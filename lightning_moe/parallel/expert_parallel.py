@@ -19,7 +19,7 @@ so gradient synchronisation reduces them over the expert-data-parallel group ins
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,10 @@ from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers import DISPATCHERS, make_dispatcher
 from lightning_moe.parallel.layout_check import expert_layer_problems
 
-__all__ = ["ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "expert_shard", "is_expert_param"]
+__all__ = [
+    "ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "expert_hidden_dim", "expert_shard",
+    "is_expert_param", "record_fsdp_sharding",
+]
 
 _SHARD_ATTR = "_lightning_moe_expert_shard"
 
@@ -54,6 +57,9 @@ class ExpertShard:
     """ETP size."""
     gated: bool
     """fc1 of a gated activation: the F axis is ``[gate ; up]``, each half sharded separately."""
+    fsdp_dim: int | None = None
+    """Dimension that sharded data parallelism (FSDP2) splits over ``edp``: the hidden dimension H
+    (see :func:`expert_hidden_dim`), or None when the local experts are replicated over EDP."""
 
 
 def is_expert_param(param: Tensor) -> bool:
@@ -64,6 +70,27 @@ def is_expert_param(param: Tensor) -> bool:
 def expert_shard(param: Tensor) -> ExpertShard | None:
     """The :class:`ExpertShard` of an expert parameter, None for any other tensor."""
     return getattr(param, _SHARD_ATTR, None)
+
+
+def expert_hidden_dim(shard: ExpertShard) -> int:
+    """The H dimension of an expert tensor: fc1 ``[E, 2F, H]`` -> 2, fc2 ``[E, H, F]`` and bias ``[E, H]`` -> 1.
+
+    Neither EP (dimension 0) nor ETP (the F dimension) splits it, so sharded data parallelism
+    splits it over EDP and the global view stays one regular DTensor sharding.
+    """
+    return 2 if shard.ffn_dim == 1 else 1
+
+
+def record_fsdp_sharding(experts: nn.Module) -> None:
+    """After ``fully_shard`` split ``experts`` over EDP on H: note it in each parameter's shard description.
+
+    ``fully_shard`` replaces the parameters, so the descriptions are attached again (through
+    ``tag_parameter``, which keeps them across later conversions).
+    """
+    for name, tags in list(experts._param_tags.items()):
+        spec = tags.get(_SHARD_ATTR)
+        if spec is not None:
+            experts.tag_parameter(name, _SHARD_ATTR, replace(spec, fsdp_dim=expert_hidden_dim(spec)))
 
 
 def _ffn_block(shard: ExpertShard, dim_len: int) -> list[tuple[int, int]]:
@@ -97,16 +124,18 @@ class ExpertStateConverter:
 
     def __init__(self, ctx: ParallelContext) -> None:
         self.mesh = ctx.expert_mesh
+        self.edp_mesh = ctx.expert_mesh["edp"]
         self.etp_group = ctx.group("etp")
         self.etp_size = ctx.size("etp")
 
     def _placements(self, shard: ExpertShard) -> tuple[list, bool]:
         """DTensor placements over (pp, edp, ep, etp), and whether ETP blocks must be gathered."""
+        edp = Replicate() if shard.fsdp_dim is None else Shard(shard.fsdp_dim)
         if shard.ffn_dim is None or self.etp_size == 1:
-            return [Replicate(), Replicate(), Shard(0), Replicate()], False
+            return [Replicate(), edp, Shard(0), Replicate()], False
         if shard.gated:
-            return [Replicate(), Replicate(), Shard(0), Replicate()], True
-        return [Replicate(), Replicate(), Shard(0), Shard(shard.ffn_dim)], False
+            return [Replicate(), edp, Shard(0), Replicate()], True
+        return [Replicate(), edp, Shard(0), Shard(shard.ffn_dim)], False
 
     def _gather_gated(self, local: Tensor, shard: ExpertShard) -> Tensor:
         """All ETP blocks of a gated fc1, reassembled as ``[all gate rows ; all up rows]``."""
@@ -116,9 +145,15 @@ class ExpertStateConverter:
         return torch.cat([*gates, *ups], dim=shard.ffn_dim)
 
     def to_global(self, local: Tensor, shard: ExpertShard) -> DTensor:
-        """The global-shape DTensor whose shard on this rank is ``local``."""
+        """The global-shape DTensor whose shard on this rank is ``local``.
+
+        ``local`` is the parameter's own value: a plain tensor, or under sharded data parallelism
+        the FSDP2 DTensor over ``edp`` (its local piece is used).
+        """
         placements, gather = self._placements(shard)
         local = local.detach()
+        if isinstance(local, DTensor):
+            local = local.to_local()
         if gather:
             local = self._gather_gated(local, shard)
         return DTensor.from_local(
@@ -127,20 +162,42 @@ class ExpertStateConverter:
         )
 
     def to_local(self, value: Tensor, shard: ExpertShard, num_local: int, name: str = "tensor") -> Tensor:
-        """This rank's block of ``value`` (a DTensor of any layout, or a plain global tensor)."""
+        """This rank's block of ``value`` (a DTensor of any layout, or a plain global tensor).
+
+        Under sharded data parallelism the block is returned as the parameter's FSDP2 DTensor over
+        ``edp`` (what ``load_state_dict`` and the optimizer copy into it).
+        """
         if isinstance(value, DTensor):
             placements, gathered = self._placements(shard)
             if value.device_mesh == self.mesh and list(value.placements) == placements:
                 # Our own layout (e.g. filled in place by torch.distributed.checkpoint).
                 local = value.to_local()
-                return _local_slice(local, shard, num_local, experts_sliced=True) if gathered else local
+                if gathered:  # the local experts with the full F: cut this rank's ETP block
+                    local = _local_slice(local, shard, local.shape[0], experts_sliced=True)
+                return self._as_fsdp_shard(local, shard, num_local, sliced=True)
             value = value.full_tensor()
         if tuple(value.shape) != shard.global_shape:
             raise ValueError(
                 f"{name}: expected the global shape {shard.global_shape} (all experts, full F), "
                 f"got {tuple(value.shape)}."
             )
-        return _local_slice(value, shard, num_local)
+        return self._as_fsdp_shard(_local_slice(value, shard, num_local), shard, num_local, sliced=False)
+
+    def _as_fsdp_shard(self, block: Tensor, shard: ExpertShard, num_local: int, sliced: bool) -> Tensor:
+        """``block`` (the local experts, or already their H block when ``sliced``) as the FSDP2 shard."""
+        if shard.fsdp_dim is None:
+            return block
+        size, rank = self.edp_mesh.size(), self.edp_mesh.get_local_rank()
+        full_shape = list(block.shape)
+        if sliced:
+            full_shape[shard.fsdp_dim] *= size
+        else:
+            step = block.shape[shard.fsdp_dim] // size
+            block = block.narrow(shard.fsdp_dim, rank * step, step)
+        return DTensor.from_local(
+            block.contiguous(), self.edp_mesh, [Shard(shard.fsdp_dim)], run_check=False,
+            shape=torch.Size(full_shape), stride=torch.empty(full_shape, device="meta").stride(),
+        )
 
 
 class _ExpertStateDictHooks:

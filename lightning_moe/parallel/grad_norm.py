@@ -1,14 +1,19 @@
 """Global gradient norm and clipping over dense and expert shards, without double counting.
 
-After :class:`~lightning_moe.parallel.grad_sync.GradSync` every rank of a data-parallel group
-holds the same reduced gradients, so each distinct gradient element is counted exactly once:
+After gradient synchronisation every rank of a data-parallel group holds the same reduced
+gradients (or, under sharded data parallelism, its own slice of them), so each distinct gradient
+element is counted exactly once by summing each parameter's local squares over the groups that
+shard it, and nowhere else:
 
 * plain dense parameters are replicated on every rank: their squares are summed locally;
-* DTensor parameters sharded by tensor parallelism: local squares summed over ``tp``;
-* expert parameters are sharded over ETP x EP (replicated over EDP): local squares summed over
-  ``etp_ep``.
+* DTensor parameters: over every mesh dimension with a ``Shard`` placement (``tp`` for tensor
+  parallelism; ``dp``, or ``dp`` and ``tp``, for FSDP2's shards);
+* expert parameters are sharded over ETP x EP: over ``etp_ep``, and over ``edp`` as well when
+  FSDP2 shards them there.
 
-(Pipeline stages would add a sum over ``pp``; pipeline parallelism is not supported yet.)
+Per-mesh sums are combined into one norm: a plain ``clip_grad_norm_`` over parameters of two meshes
+fails in torch. (Pipeline stages would add a sum over ``pp``; pipeline parallelism is not
+supported yet.)
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
@@ -26,12 +32,25 @@ from lightning_moe.parallel.expert_parallel import is_expert_param
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
 
-def _norm_group(param: Tensor) -> str | None:
+_KEYS = ((), ("tp",), ("etp_ep",), ("dp",), ("dp", "tp"), ("edp", "etp_ep"))
+"""Every combination of groups a gradient can be sharded over, in the order all ranks reduce them."""
+_ALWAYS = _KEYS[:3]
+"""Reduced even when no parameter here needs them: a rank without gradients still takes part."""
+
+
+def _shard_groups(param: Tensor) -> tuple[str, ...]:
+    """The groups whose ranks hold distinct pieces of ``param`` (see the module docstring)."""
+    names: tuple[str, ...] = ()
+    if isinstance(param, DTensor):
+        dims = param.device_mesh.mesh_dim_names or ()
+        # FSDP2 shards a tensor-parallel dimension-0 shard again with a strided placement.
+        names = tuple(
+            dims[i] for i, placement in enumerate(param.placements)
+            if placement.is_shard() or isinstance(placement, _StridedShard)
+        )
     if is_expert_param(param):
-        return "etp_ep"
-    if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
-        return "tp"
-    return None
+        names = (*names, "etp_ep")
+    return names
 
 
 def _device_of(params: list[Tensor], ctx: ParallelContext) -> torch.device:
@@ -49,21 +68,26 @@ def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext, norm_type: 
     if norm_type != 2.0:
         raise ValueError(f"Only the 2-norm is supported across shards, got norm_type={norm_type}.")
     params = list(params)
-    sums: dict[str | None, Tensor] = {}
+    sums: dict[tuple[str, ...], Tensor] = {}
     for p in params:
         if p.grad is None:
             continue
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        key = _norm_group(p)
+        key = _shard_groups(p)
+        if key not in _KEYS:
+            raise RuntimeError(f"gradient sharded over {key}, which the global norm does not know how to combine")
         sq = grad.detach().float().pow(2).sum()
         sums[key] = sums[key] + sq if key in sums else sq
     device = next(iter(sums.values())).device if sums else _device_of(params, ctx)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for name in (None, "tp", "etp_ep"):
-        value = sums.get(name, torch.zeros((), dtype=torch.float32, device=device))
-        if name is not None and ctx.size(name) > 1:
-            # Every rank takes part, with zeros if it has no such parameters, to keep collectives matched.
-            dist.all_reduce(value, group=ctx.group(name))
+    # The sharded layouts come from the model's structure, the same on every rank; a rank without
+    # such gradients still takes part, with zeros, to keep the collectives matched.
+    present = {_shard_groups(p) for p in params}
+    for key in (k for k in _KEYS if k in _ALWAYS or k in present):
+        value = sums.get(key, torch.zeros((), dtype=torch.float32, device=device))
+        for name in key:
+            if ctx.size(name) > 1:
+                dist.all_reduce(value, group=ctx.group(name))
         total = total + value
     return total.sqrt()
 

@@ -9,7 +9,11 @@ layout. Order (each step assumes the previous ones):
    stay replicated over TP; each TP rank then simply routes its own tokens (sequence-sharded
    data), which is all MoE folding needs;
 2. expert parallelism (:func:`~lightning_moe.parallel.expert_parallel.apply_expert_parallel`):
-   experts sharded over EP x ETP, the token dispatcher and the router's reduce groups bound.
+   experts sharded over EP x ETP, the token dispatcher and the router's reduce groups bound;
+3. sharded data parallelism (:func:`~lightning_moe.parallel.fully_shard.apply_fully_shard`,
+   FSDP2) unless ``sharding_strategy="NO_SHARD"``: dense parameters over DP x CP, experts over
+   EDP. Gradients are then synchronised by
+   :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` instead of ``GradSync``.
 
 The Lightning strategy calls it after ``configure_model``; a plain torchrun script calls it
 directly after building the model.
@@ -18,23 +22,38 @@ directly after building the model.
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
+from lightning_moe.parallel.fully_shard import apply_fully_shard, check_sharding_strategy
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["parallelize"]
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, dispatcher: str = "alltoall") -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    ctx: ParallelContext,
+    dispatcher: str = "alltoall",
+    sharding_strategy: str = "NO_SHARD",
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
     """Apply the parallel layout of ``ctx`` to ``model`` in place and return it.
 
     Args:
         model: a module built for one device (meta-device parameters are fine).
         ctx: the layout, from :func:`~lightning_moe.parallel.build_parallel_context`.
         dispatcher: token dispatcher of the MoE layers, ``"alltoall"`` or ``"allgather"``.
+        sharding_strategy: ``"NO_SHARD"`` (replicated data parallelism), ``"SHARD_GRAD_OP"`` or
+            ``"FULL_SHARD"`` (FSDP2, see :mod:`~lightning_moe.parallel.fully_shard`).
+        mp_policy: FSDP2 mixed precision of the sharded strategies (None: compute in the
+            parameters' dtype).
     """
+    check_sharding_strategy(sharding_strategy)
     for module in [m for m in model.modules() if isinstance(m, MoETransformer)]:
         apply_tensor_parallel(module, ctx)
-    return apply_expert_parallel(model, ctx, dispatcher=dispatcher)
+    apply_expert_parallel(model, ctx, dispatcher=dispatcher)
+    apply_fully_shard(model, ctx, sharding_strategy, mp_policy)
+    return model

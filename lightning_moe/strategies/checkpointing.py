@@ -148,6 +148,7 @@ class MoECheckpointing:
         return {
             "world_size": dims.world_size, "tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "ep": dims.ep,
             "etp": dims.etp, "order": dims.order, "dispatcher": self.strategy.dispatcher,
+            "sharding_strategy": self.strategy.sharding_strategy,
         }
 
     def _on_rank_zero(self, fn: Callable[[], _T]) -> _T:

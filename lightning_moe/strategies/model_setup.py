@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.layers.moe import MoELayer
@@ -72,7 +73,8 @@ def move_materialized(model: nn.Module, device: torch.device) -> None:
 
 
 def prepare_model(
-    model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str
+    model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str,
+    sharding_strategy: str = "NO_SHARD", mp_policy: MixedPrecisionPolicy | None = None,
 ) -> dict[tuple[int, int], str]:
     """Move ``model`` to ``device``, start every rank from rank 0's state, then apply the layout.
 
@@ -82,15 +84,17 @@ def prepare_model(
     CPU tensors. Meta-device tensors are left for :func:`materialize`. On CPU the expert
     kernels' GEMM library is then chosen on rank 0 for every rank; returns those choices (see
     :func:`~lightning_moe.parallel.cpu_gemm_agreement.agree_on_cpu_gemm`), empty elsewhere.
+    ``sharding_strategy`` and ``mp_policy`` go to :func:`~lightning_moe.parallel.parallelize`.
     """
     move_materialized(model, device)
     broadcast_initial_state(model)
-    parallelize(model, ctx, dispatcher=dispatcher)
+    parallelize(model, ctx, dispatcher=dispatcher, sharding_strategy=sharding_strategy, mp_policy=mp_policy)
     return agree_on_cpu_gemm(model) if device.type == "cpu" else {}
 
 
 def prepare_model_once(
-    model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str
+    model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str,
+    sharding_strategy: str = "NO_SHARD", mp_policy: MixedPrecisionPolicy | None = None,
 ) -> dict[tuple[int, int], str]:
     """:func:`prepare_model` unless ``model`` already holds this layout (a second ``fit``).
 
@@ -98,21 +102,21 @@ def prepare_model_once(
     Returns the CPU GEMM choices of :func:`prepare_model` (empty when nothing was done).
     """
     check_tensor_parallel_support(model, ctx.size("tp"))
-    layout = (ctx.dims, dispatcher)
+    layout = (ctx.dims, dispatcher, sharding_strategy)
     applied = getattr(model, _LAYOUT_ATTR, None)
     if applied == layout:
         return {}
     if applied is not None:
 
-        def sizes(dims, name: str) -> str:
-            return f"TP={dims.tp}, CP={dims.cp}, EP={dims.ep}, ETP={dims.etp}, dispatcher={name}"
+        def sizes(dims, name: str, sharding: str) -> str:
+            return f"TP={dims.tp}, CP={dims.cp}, EP={dims.ep}, ETP={dims.etp}, dispatcher={name}, sharding_strategy={sharding}"
 
         raise ValueError(
             f"This LightningModule was already parallelized with {sizes(*applied)} and cannot be "
             f"re-sharded in place to {sizes(*layout)}. Save a checkpoint and load it into a fresh "
             "module instead (checkpoints reshard across layouts)."
         )
-    choices = prepare_model(model, ctx, device, dispatcher)
+    choices = prepare_model(model, ctx, device, dispatcher, sharding_strategy, mp_policy)
     setattr(model, _LAYOUT_ATTR, layout)
     return choices
 

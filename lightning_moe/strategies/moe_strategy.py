@@ -50,13 +50,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context
 from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
+from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
 from lightning_moe.strategies.options import check_strategy_options
+from lightning_moe.strategies.sharding import check_sharding_combination, make_grad_sync, sharding_mp_policy
 from lightning_moe.strategies.step_safeguards import StepSafeguards
 from lightning_moe.strategies.trainer_callbacks import add_expert_bias_updater, use_global_model_summary
 
@@ -76,6 +79,8 @@ class MoEStrategy(ParallelStrategy):
         expert_parallel_size: EP, experts sharded over this many ranks (``expert_model_parallel_size``).
         expert_tensor_parallel_size: ETP, each expert's F dimension sharded; None = TP, as Megatron.
         dispatcher: token dispatcher, ``"alltoall"`` or ``"allgather"``.
+        sharding_strategy: ``"NO_SHARD"`` (default: replicated), ``"SHARD_GRAD_OP"`` or ``"FULL_SHARD"``
+            (PyTorch FSDP2, dense over DP x CP, experts over EDP: :mod:`lightning_moe.parallel.fully_shard`).
         order: rank order of the folded layout, ``"tp-cp-ep-dp-pp"`` or ``"tp-cp-ep-pp-dp"``.
         bucket_size_mb: gradient reduction bucket size.
         save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file.
@@ -104,6 +109,7 @@ class MoEStrategy(ParallelStrategy):
         expert_parallel_size: int = 1,
         expert_tensor_parallel_size: int | None = None,
         dispatcher: str = "alltoall",
+        sharding_strategy: str = "NO_SHARD",
         order: str = "tp-cp-ep-dp-pp",
         bucket_size_mb: float = 25.0,
         save_distributed_checkpoint: bool = True,
@@ -131,12 +137,13 @@ class MoEStrategy(ParallelStrategy):
         }
         self.order = order
         self.dispatcher = dispatcher
+        self.sharding_strategy = check_sharding_strategy(sharding_strategy)
         self.bucket_size_mb = bucket_size_mb
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._context: ParallelContext | None = None
         self._device_mesh: DeviceMesh | None = None
-        self._grad_sync: GradSync | None = None
+        self._grad_sync: GradSync | ShardedGradSync | None = None
         self._safeguards = StepSafeguards(on_nonfinite_grads)
         self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint, verify_checkpoints=verify_checkpoints)
         self.num_nodes = 1
@@ -248,7 +255,9 @@ class MoEStrategy(ParallelStrategy):
                 [dense.get_group(i) for i in range(dense.ndim)], self.root_device.type,
                 mesh=dense.mesh, mesh_dim_names=_LIGHTNING_MESH_NAMES,
             )
-            rank_zero_info(f"MoEStrategy: {dims.describe()}, dispatcher={self.dispatcher}")
+            rank_zero_info(
+                f"MoEStrategy: {dims.describe()}, dispatcher={self.dispatcher}, sharding_strategy={self.sharding_strategy}"
+            )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -261,7 +270,11 @@ class MoEStrategy(ParallelStrategy):
         callback = trainer.checkpoint_callback  # its dirpath is set in the callbacks' setup, before this
         if trainer.state.fn == TrainerFn.FITTING and callback is not None and callback.dirpath is not None:
             self.checkpointing.check_writable(callback.dirpath)  # before any step is spent
-        gemm_choices = prepare_model_once(self.model, self.parallel_context, self.root_device, self.dispatcher)
+        check_sharding_combination(self.sharding_strategy, self.precision_plugin, trainer.callbacks)
+        gemm_choices = prepare_model_once(
+            self.model, self.parallel_context, self.root_device, self.dispatcher, self.sharding_strategy,
+            sharding_mp_policy(str(getattr(self.precision_plugin, "precision", ""))),
+        )
         if gemm_choices:
             rank_zero_info(
                 f"MoEStrategy: CPU expert GEMMs through {describe_cpu_gemm_choices(gemm_choices)} (measured on "
@@ -278,11 +291,9 @@ class MoEStrategy(ParallelStrategy):
             use_global_model_summary(trainer.callbacks)
             add_expert_bias_updater(trainer.callbacks, self.model)
             if self._grad_sync is None:
-                # Manual optimization may run several backward passes before one step: reduce at
-                # the step (or on clipping / finish_grad_sync) instead of during backward.
-                self._grad_sync = GradSync(
-                    self.model, self.parallel_context, self.bucket_size_mb,
-                    overlap=trainer.lightning_module.automatic_optimization, explicit_backward=True,
+                self._grad_sync = make_grad_sync(
+                    self.sharding_strategy, self.model, self.parallel_context, self.bucket_size_mb,
+                    trainer.lightning_module.automatic_optimization,
                 )
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)

@@ -1,0 +1,212 @@
+"""`apply_fully_shard`: sharded data parallelism (PyTorch FSDP2) on both meshes of a folded layout.
+
+Run by :func:`~lightning_moe.parallel.parallelize` after tensor and expert parallelism, when the
+sharding strategy is not ``"NO_SHARD"``. Parameters, gradients and optimizer state are then split
+over the data-parallel ranks of their own mesh (docs/architecture.md §11):
+
+* routed experts (each EP rank's local experts) over the expert-data-parallel group ``edp``, one
+  ``fully_shard`` unit per MoE layer's experts, sharded on the hidden dimension H (neither the
+  expert dimension, which EP splits, nor F, which ETP splits), so the global state-dict view stays
+  one regular DTensor sharding;
+* everything else over the dense data-parallel group ``dp`` (x ``cp``): one unit per transformer
+  block of the reference :class:`~lightning_moe.models.MoETransformer` (or per
+  :class:`~lightning_moe.layers.MoELayer` of a user model), then one unit per top-level module
+  for what is left (embedding, final norm, head). Tensor-parallel DTensors get FSDP's 2-D
+  ``(dp, tp)`` sharding.
+
+Gradients keep today's scaling: every unit sums (``set_force_sum_reduction_for_comms``: gloo has
+no pre-multiplied sum) and divides by the dense data-parallel size ``DP * CP``, experts included
+(they are reduced over EDP only, but each EP rank already summed the gradients of its whole EP
+group's tokens through the all-to-all). Parameters that hold partial gradients on each
+tensor-parallel rank (plain tensors inside MoE layers, which route each TP rank's own tokens,
+such as the router and the shared expert) are summed over ``tp`` afterwards by
+:class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync`.
+
+``"SHARD_GRAD_OP"`` keeps each unit's parameters gathered from its forward to its backward
+(``reshard_after_forward=False``: one all-gather per step); ``"FULL_SHARD"`` frees them after
+the forward and gathers them again for the backward (``reshard_after_forward=True``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.models import MoETransformer
+from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_shard, record_fsdp_sharding
+
+__all__ = [
+    "SHARDING_STRATEGIES",
+    "apply_fully_shard",
+    "check_sharding_strategy",
+    "fully_sharded_modules",
+    "tp_partial_params",
+]
+
+SHARDING_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+"""Lightning ``FSDPStrategy``'s names: replicated (bucketed all-reduce), sharded gradients and
+optimizer state with parameters gathered once per step, or fully sharded."""
+
+_TP_PARTIAL_ATTR = "_lightning_moe_tp_partial_names"
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def check_sharding_strategy(name: str) -> str:
+    """``name`` if it is one of `SHARDING_STRATEGIES`, else ``ValueError`` listing them."""
+    if name not in SHARDING_STRATEGIES:
+        raise ValueError(
+            f"Unknown sharding_strategy {name!r}; choose one of {', '.join(map(repr, SHARDING_STRATEGIES))} "
+            "(Lightning's FSDPStrategy names)."
+        )
+    return name
+
+
+def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
+    """The sharded parameters of ``model`` whose gradients must still be summed over ``tp`` (module docstring).
+
+    Looked up by name at each call: ``fully_shard`` and materialisation replace parameter objects.
+    """
+    names = getattr(model, _TP_PARTIAL_ATTR, ())
+    return [p for n, p in model.named_parameters() if n in names]
+
+
+def fully_sharded_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every ``fully_shard`` unit inside ``model``, outermost first."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _dense_mesh(ctx: ParallelContext) -> DeviceMesh:
+    if ctx.size("cp") > 1:
+        raise ValueError(
+            "sharding_strategy other than 'NO_SHARD' does not combine with context_parallel_size > 1 yet; "
+            "use sharding_strategy='NO_SHARD' or context_parallel_size=1."
+        )
+    return ctx.dense_mesh["dp"]
+
+
+def _check_expert_dims(layers: list[tuple[str, MoELayer]], edp: int) -> None:
+    # FSDP2 needs even shards on a nonzero dimension.
+    for name, layer in layers:
+        hidden = layer.config.hidden_size
+        if edp > 1 and hidden % edp:
+            raise ValueError(
+                f"{name}: sharding the experts over the expert-data-parallel size EDP={edp} splits their "
+                f"hidden size {hidden}, which EDP must divide. Choose EP/ETP so that EDP = world / "
+                f"(PP * EP * ETP) divides {hidden}, or use sharding_strategy='NO_SHARD'."
+            )
+
+
+def _tp_partial_names(model: nn.Module, ctx: ParallelContext) -> set[str]:
+    """Names of the plain (not tensor-parallel) dense parameters: partial gradients per TP rank.
+
+    Under folding every TP rank routes its own tokens, so the router, the shared expert and the
+    per-head q/k norms each hold the gradient of this rank's slice of the sequence only.
+    """
+    if ctx.size("tp") == 1:
+        return set()
+    return {
+        name for name, p in model.named_parameters()
+        if not isinstance(p, DTensor) and expert_shard(p) is None
+    }
+
+
+def _shard_experts(layer: MoELayer, mesh: DeviceMesh, divide: float, **kwargs) -> None:
+    experts = layer.experts
+    fully_shard(experts, mesh=mesh, shard_placement_fn=lambda p: Shard(expert_hidden_dim(expert_shard(p))), **kwargs)
+    record_fsdp_sharding(experts)
+    _sum_then_divide(experts, divide, mesh.size())
+
+
+def _sum_then_divide(module: FSDPModule, divide: float, mesh_size: int) -> None:
+    """Reduce ``module``'s gradients by a sum divided by ``divide`` (the dense data-parallel size)."""
+    # gloo has no pre-multiplied sum: sum, then divide. On a mesh of one rank torch skips the
+    # collective and divides once itself, and would divide a second time in the forced-sum path
+    # (torch 2.13 _fsdp_collectives.foreach_reduce), so that case keeps the default path.
+    module.set_force_sum_reduction_for_comms(mesh_size > 1)
+    module.set_gradient_divide_factor(divide)
+    # An expert that received no token on one rank still joins the reduce-scatter (with zeros).
+    module.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def _dense_units(model: nn.Module) -> list[nn.Module]:
+    """Blocks of every reference transformer, or the MoE layers of a user model."""
+    units: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, MoETransformer):
+            units.extend(module.layers)
+            inside.update(id(m) for m in module.modules())
+        elif isinstance(module, MoELayer):
+            units.append(module)
+            inside.update(id(m) for m in module.modules())
+    return units
+
+
+def _top_level_units(model: nn.Module, sharded: set[int]) -> list[nn.Module]:
+    """Top-level modules that still hold parameters no unit covers (containers are looked into)."""
+
+    def has_rest(module: nn.Module) -> bool:
+        return any(id(p) not in sharded for p in module.parameters())
+
+    if any(id(p) not in sharded for p in model.parameters(recurse=False)):
+        names = [n for n, p in model.named_parameters(recurse=False) if id(p) not in sharded]
+        raise ValueError(
+            f"{type(model).__name__} holds parameters of its own ({', '.join(names)}); with sharding, every "
+            "parameter must live in a submodule whose forward runs (move them into one), or use "
+            "sharding_strategy='NO_SHARD'."
+        )
+    units: list[nn.Module] = []
+    for child in model.children():
+        if not has_rest(child):
+            continue
+        units.extend(_top_level_units(child, sharded) if isinstance(child, _CONTAINERS) else [child])
+    return units
+
+
+def apply_fully_shard(
+    model: nn.Module,
+    ctx: ParallelContext,
+    sharding_strategy: str,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> list[FSDPModule]:
+    """Shard ``model`` (already tensor- and expert-parallel) with FSDP2; return its units.
+
+    Args:
+        model: the parallelized model; meta-device parameters stay meta until materialised.
+        ctx: the layout.
+        sharding_strategy: ``"SHARD_GRAD_OP"`` or ``"FULL_SHARD"`` (``"NO_SHARD"`` is a no-op).
+        mp_policy: FSDP2's mixed precision (e.g. bf16 compute, fp32 reduction), None for none.
+    """
+    check_sharding_strategy(sharding_strategy)
+    if sharding_strategy == "NO_SHARD":
+        return []
+    dense_mesh = _dense_mesh(ctx)
+    expert_mesh = ctx.expert_mesh["edp"]
+    divide = float(ctx.size("dp_cp"))
+    kwargs = {"reshard_after_forward": sharding_strategy == "FULL_SHARD"}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    moe_layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+    _check_expert_dims(moe_layers, ctx.size("edp"))
+    tp_partial = _tp_partial_names(model, ctx)
+    for _, layer in moe_layers:
+        _shard_experts(layer, expert_mesh, divide, **kwargs)
+    sharded: set[int] = {id(p) for _, layer in moe_layers for p in layer.experts.parameters()}
+    units = _dense_units(model)
+    for unit in units:
+        fully_shard(unit, mesh=dense_mesh, **kwargs)
+        sharded.update(id(p) for p in unit.parameters())
+    top = _top_level_units(model, sharded)
+    for unit in top:
+        fully_shard(unit, mesh=dense_mesh, **kwargs)
+    for unit in (*units, *top):
+        _sum_then_divide(unit, divide, dense_mesh.size())
+    setattr(model, _TP_PARTIAL_ATTR, frozenset(tp_partial))
+    return fully_sharded_modules(model)

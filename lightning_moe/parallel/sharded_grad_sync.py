@@ -1,0 +1,103 @@
+"""`ShardedGradSync`: gradient synchronisation of a model sharded by :func:`~lightning_moe.parallel.apply_fully_shard`.
+
+FSDP2 reduce-scatters each unit's gradients during backward (summed, divided by ``DP * CP``), so
+what is left here is the part FSDP2 does not know about, and the controls the strategy needs,
+with the same interface as :class:`~lightning_moe.parallel.grad_sync.GradSync`:
+
+* :meth:`no_sync` turns the reduce-scatters off for gradient accumulation
+  (``set_requires_gradient_sync(False)``: FSDP2 then accumulates unsharded gradients and reduces
+  their sum on the next synchronised backward);
+* :meth:`finish` sums the gradients of the tensor-parallel-partial parameters
+  (:func:`~lightning_moe.parallel.fully_shard.tp_partial_params`) over ``tp``, once per reduction:
+  each TP rank routed its own tokens, and the TP ranks of one data-parallel coordinate hold the
+  same FSDP shard, so an all-reduce of the local shards completes the sum. It runs after a
+  synchronised backward armed by :meth:`begin_backward` / :meth:`end_backward` and does nothing
+  otherwise, so calling it twice never sums twice.
+
+Unlike ``GradSync``, a backward outside the armed window still reduce-scatters (FSDP2's hooks
+fire on every backward): such a backward must run on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.fully_shard import fully_sharded_modules, tp_partial_params
+
+__all__ = ["ShardedGradSync"]
+
+
+class ShardedGradSync:
+    """Controls FSDP2's reductions of ``model`` and completes the tensor-parallel sums (module docstring).
+
+    Args:
+        model: a model sharded by :func:`~lightning_moe.parallel.apply_fully_shard`.
+        ctx: its layout.
+    """
+
+    overlap = True
+    """FSDP2 reduces during backward, unit by unit."""
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.units = fully_sharded_modules(model)
+        if not self.units:
+            raise ValueError("ShardedGradSync needs a model sharded by apply_fully_shard (no fully_shard unit found).")
+        self._sync = True
+        self._armed = False
+        self._pending = False
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (FSDP2's ``set_requires_gradient_sync(False)``)."""
+        previous = self._sync
+        self._set_sync(False)
+        try:
+            yield
+        finally:
+            self._set_sync(previous)
+
+    def _set_sync(self, enabled: bool) -> None:
+        self._sync = enabled
+        for unit in self.units:
+            unit.set_requires_gradient_sync(enabled, recurse=False)
+
+    @property
+    def sync_enabled(self) -> bool:
+        """False inside :meth:`no_sync`."""
+        return self._sync
+
+    def begin_backward(self) -> None:
+        """The strategy's training backward starts."""
+        self._armed = True
+
+    def end_backward(self) -> None:
+        """The strategy's training backward ended: a synchronised one leaves a TP sum to do."""
+        if self._armed and self._sync:
+            self._pending = True
+        self._armed = False
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Sum the TP-partial gradients over ``tp`` if a reduction happened since the last call."""
+        if not self._pending:
+            return
+        self._pending = False
+        if self.ctx.size("tp") == 1:
+            return
+        group = self.ctx.group("tp")
+        for param in tp_partial_params(self.model):
+            if param.grad is not None:
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(grad, group=group)
+
+    def remove_hooks(self) -> None:
+        """Nothing to remove: FSDP2 owns its hooks (kept for the ``GradSync`` interface)."""
