@@ -51,6 +51,7 @@ from lightning_moe.layers.expert_kernels import (
     grouped_activation_fc2,
 )
 from lightning_moe.layers.permute import gather_rows, scatter_rows
+from lightning_moe.layers.weight_init import write_full
 
 __all__ = ["KERNELS", "GroupedExperts", "WeightCastCache", "expert_generator", "group_offsets", "host_counts"]
 
@@ -133,25 +134,6 @@ class WeightCastCache:
     def clear(self) -> None:
         """Drop every copy."""
         self._entries.clear()
-
-
-def _write_expert(weight: Tensor, index: int, values: Tensor) -> None:
-    """``weight[index] = values``, or this rank's piece of it when ``weight`` is sharded further.
-
-    Sharded data parallelism (FSDP2) turns the stacked weights into DTensors split on a
-    dimension after the expert one; each rank then keeps its block of ``values`` (every rank drew
-    the same expert, so no communication is needed).
-    """
-    if not hasattr(weight, "placements"):
-        weight[index].copy_(values)
-        return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local = weight.to_local()
-    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-    for dim in range(1, weight.dim()):
-        values = values.narrow(dim - 1, offset[dim], shape[dim])
-    local[index - offset[0]].copy_(values)
 
 
 def expert_generator(layer_seed: int, global_expert: int) -> torch.Generator:
@@ -274,8 +256,8 @@ class GroupedExperts(nn.Module):
                 fc1 = torch.cat([gate[block], up[block]])
             else:
                 fc1 = fc1[block]
-            _write_expert(self.fc1_weight, local, fc1)
-            _write_expert(self.fc2_weight, local, fc2[:, block])
+            write_full(self.fc1_weight, fc1, index=local)
+            write_full(self.fc2_weight, fc2[:, block], index=local)
         if self.fc2_bias is not None:
             self.fc2_bias.zero_()
 

@@ -36,6 +36,7 @@ from lightning_moe.layers.routing import (
     topk_routing,
     update_expert_bias,
 )
+from lightning_moe.layers.weight_init import write_full
 
 __all__ = [
     "LOGGED_LOSS_NAMES",
@@ -162,7 +163,7 @@ class TopKRouter(nn.Module):
         values = torch.empty(self.weight.shape, dtype=torch.float32, device=device)
         values.normal_(0.0, self.config.init_std, generator=generator)
         with torch.no_grad():
-            self.weight.copy_(values)
+            write_full(self.weight, values)
             for buffer in self.buffers(recurse=False):
                 buffer.zero_()
 

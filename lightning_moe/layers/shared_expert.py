@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_moe.layers.activations import activation_fn, is_gated
+from lightning_moe.layers.weight_init import write_full
 
 __all__ = ["SharedExpertMLP"]
 
@@ -78,7 +79,7 @@ class SharedExpertMLP(nn.Module):
         for linear in (self.fc1, self.fc2, self.gate):
             if linear is not None:
                 values = torch.empty(linear.weight.shape, dtype=torch.float32, device=generator.device)
-                linear.weight.copy_(values.normal_(0.0, std, generator=generator))
+                write_full(linear.weight, values.normal_(0.0, std, generator=generator))
 
     def extra_repr(self) -> str:
         """Show the activation and whether the output gate is on, next to the submodules."""

@@ -1,6 +1,7 @@
 """Everything that knows ranks: the folded layout (`ParallelDims`), its process groups
 (`ParallelContext`), token dispatchers and the functions that apply parallelism to a model."""
 
+from lightning_moe.layers.weight_init import set_sharded_writer
 from lightning_moe.parallel.context import ParallelContext, build_parallel_context
 from lightning_moe.parallel.dims import GROUP_NAMES, ParallelDims, RankCoords
 from lightning_moe.parallel.dispatchers import AllGatherDispatcher, AllToAllDispatcher, DispatchStats
@@ -8,6 +9,9 @@ from lightning_moe.parallel.expert_parallel import apply_expert_parallel, expert
 from lightning_moe.parallel.fully_shard import SHARDING_STRATEGIES, apply_fully_shard
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
+from lightning_moe.parallel.sharded_init import write_sharded
+
+set_sharded_writer(write_sharded)  # how layers initialise weights that parallelism made DTensors
 
 __all__ = [
     "GROUP_NAMES",

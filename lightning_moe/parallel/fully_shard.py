@@ -42,6 +42,7 @@ from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_sha
 __all__ = [
     "SHARDING_STRATEGIES",
     "apply_fully_shard",
+    "check_fully_shard",
     "check_sharding_strategy",
     "fully_sharded_modules",
     "tp_partial_params",
@@ -80,18 +81,22 @@ def fully_sharded_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _dense_mesh(ctx: ParallelContext) -> DeviceMesh:
+def check_fully_shard(model: nn.Module, ctx: ParallelContext, sharding_strategy: str) -> None:
+    """Raise ``ValueError`` if ``model`` cannot be sharded with ``sharding_strategy`` on ``ctx``.
+
+    Called by :func:`~lightning_moe.parallel.parallelize` before it changes anything.
+    """
+    check_sharding_strategy(sharding_strategy)
+    if sharding_strategy == "NO_SHARD":
+        return
     if ctx.size("cp") > 1:
         raise ValueError(
-            "sharding_strategy other than 'NO_SHARD' does not combine with context_parallel_size > 1 yet; "
+            f"sharding_strategy={sharding_strategy!r} does not combine with context_parallel_size > 1 yet; "
             "use sharding_strategy='NO_SHARD' or context_parallel_size=1."
         )
-    return ctx.dense_mesh["dp"]
-
-
-def _check_expert_dims(layers: list[tuple[str, MoELayer]], edp: int) -> None:
+    edp = ctx.size("edp")
     # FSDP2 needs even shards on a nonzero dimension.
-    for name, layer in layers:
+    for name, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)):
         hidden = layer.config.hidden_size
         if edp > 1 and hidden % edp:
             raise ValueError(
@@ -184,17 +189,16 @@ def apply_fully_shard(
         sharding_strategy: ``"SHARD_GRAD_OP"`` or ``"FULL_SHARD"`` (``"NO_SHARD"`` is a no-op).
         mp_policy: FSDP2's mixed precision (e.g. bf16 compute, fp32 reduction), None for none.
     """
-    check_sharding_strategy(sharding_strategy)
+    check_fully_shard(model, ctx, sharding_strategy)
     if sharding_strategy == "NO_SHARD":
         return []
-    dense_mesh = _dense_mesh(ctx)
+    dense_mesh = ctx.dense_mesh["dp"]  # x cp, once context parallelism combines with sharding
     expert_mesh = ctx.expert_mesh["edp"]
     divide = float(ctx.size("dp_cp"))
     kwargs = {"reshard_after_forward": sharding_strategy == "FULL_SHARD"}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     moe_layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
-    _check_expert_dims(moe_layers, ctx.size("edp"))
     tp_partial = _tp_partial_names(model, ctx)
     for _, layer in moe_layers:
         _shard_experts(layer, expert_mesh, divide, **kwargs)

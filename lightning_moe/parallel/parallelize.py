@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
-from lightning_moe.parallel.fully_shard import apply_fully_shard, check_sharding_strategy
+from lightning_moe.parallel.fully_shard import apply_fully_shard, check_fully_shard
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["parallelize"]
@@ -51,7 +51,7 @@ def parallelize(
         mp_policy: FSDP2 mixed precision of the sharded strategies (None: compute in the
             parameters' dtype).
     """
-    check_sharding_strategy(sharding_strategy)
+    check_fully_shard(model, ctx, sharding_strategy)
     for module in [m for m in model.modules() if isinstance(m, MoETransformer)]:
         apply_tensor_parallel(module, ctx)
     apply_expert_parallel(model, ctx, dispatcher=dispatcher)

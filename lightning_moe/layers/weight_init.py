@@ -1,0 +1,38 @@
+"""`write_full`: copy a weight's full initial values into it, whatever parallelism split it.
+
+Layers draw their initial weights in full, from their own generators, so every parallel layout
+starts from the one-device numbers. A weight that tensor or sharded data parallelism turned into
+a DTensor keeps only the slice its placements give this rank; every rank drew the same values, so
+no communication is needed. Cutting that slice needs ``torch.distributed``, which this package
+does not use: :mod:`lightning_moe.parallel` registers the writer (:func:`set_sharded_writer`) when
+it is imported, which it is before any weight becomes a DTensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+__all__ = ["set_sharded_writer", "write_full"]
+
+ShardedWriter = Callable[[Tensor, Tensor, "int | None"], None]
+_sharded_writer: ShardedWriter | None = None
+
+
+def set_sharded_writer(writer: ShardedWriter) -> None:
+    """Install ``writer(weight, values, index)``, which writes into a DTensor ``weight`` (see :func:`write_full`)."""
+    global _sharded_writer
+    _sharded_writer = writer
+
+
+def write_full(weight: Tensor, values: Tensor, index: int | None = None) -> None:
+    """``weight.copy_(values)`` (or ``weight[index].copy_(values)``), keeping this rank's slice of a DTensor."""
+    if hasattr(weight, "placements"):
+        if _sharded_writer is None:
+            raise RuntimeError("a sharded weight is initialised before lightning_moe.parallel was imported")
+        _sharded_writer(weight, values, index)
+    elif index is None:
+        weight.copy_(values)
+    else:
+        weight[index].copy_(values)
