@@ -342,12 +342,14 @@ def discard_output(module: nn.Module, scope: _DiscardScope) -> Callable[[], None
     Returns the undo function. Outside a forward of the scope's module, or without grad, the
     module runs as before.
     """
-    params = [p for p in module.parameters()]
 
     def make(original: Callable) -> Callable:
         def forward(*args, **kwargs):
             if not torch.is_grad_enabled() or not scope.frames or kwargs or len(args) != 1:
                 return original(*args, **kwargs)
+            # Read at each call: sharded data parallelism (FSDP2) registers the gathered parameters
+            # for the forward only, and the gradient must reach those.
+            params = list(module.parameters())
             state = _DiscardState(original, params)
             device_type = args[0].device.type
             state.autocast = lambda: _autocast_context(device_type)
