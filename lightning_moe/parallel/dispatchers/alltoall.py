@@ -24,58 +24,28 @@ device-side assert on accelerators; later dispatches pay nothing for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from lightning_moe.layers.config import MoEConfig
-from lightning_moe.layers.permute import expert_order, unpermute
+from lightning_moe.layers.permute import expert_order
 from lightning_moe.layers.routing import padded_expert_rows
-from lightning_moe.parallel.collectives import all_gather_v, all_to_all, gather_sizes, reduce_scatter_v
+from lightning_moe.parallel.collectives import all_gather_v, all_to_all, gather_sizes
 from lightning_moe.parallel.context import ParallelContext
-from lightning_moe.parallel.dispatchers.stats import DispatchStats
+from lightning_moe.parallel.dispatchers.ep_alltoall import AllToAllMetadata, ExpertParallelAllToAll
 
 __all__ = ["AllToAllDispatcher", "AllToAllMetadata"]
 
 
-@dataclass(frozen=True)
-class AllToAllMetadata:
-    """What `AllToAllDispatcher.combine` needs to undo one dispatch."""
+class AllToAllDispatcher(ExpertParallelAllToAll):
+    """Megatron's ``alltoall`` dispatcher over the EP and ETP groups of a `ParallelContext`.
 
-    num_tokens: int
-    """Tokens of this rank (rows of the combined output)."""
-    send_index: Tensor
-    """Token index of every row this rank sent (permutation 1, expert-major)."""
-    input_splits: list[int]
-    """Rows sent to each EP rank."""
-    output_splits: list[int]
-    """Rows received from each EP rank."""
-    etp_sizes: list[int]
-    """Rows each ETP rank received from its all-to-all (the ETP all-gather sizes)."""
-    row_index: Tensor | None
-    """Expert-major order of the received rows (None when they already are, e.g. one local expert)."""
-    row_index_is_permutation: bool = True
-    """``row_index`` names every received row exactly once: the experts may scatter their outputs
-    back with a deterministic ``index_copy`` instead of an accumulating ``index_add``."""
-
-
-class AllToAllDispatcher:
-    """Megatron's ``alltoall`` dispatcher over the EP and ETP groups of a `ParallelContext`."""
+    One row per routed (token, expert) pair; groups, combine and its accounting come from
+    :class:`~lightning_moe.parallel.dispatchers.ep_alltoall.ExpertParallelAllToAll`.
+    """
 
     def __init__(self, config: MoEConfig, ctx: ParallelContext) -> None:
-        self.config = config
-        dims = ctx.dims
-        dims.validate_num_experts(config.num_experts)
-        self.ep_group, self.etp_group = ctx.group("ep"), ctx.group("etp")
-        self.ep_size, self.etp_size = ctx.size("ep"), ctx.size("etp")
-        self.ep_rank, self.etp_rank = ctx.rank_in("ep"), ctx.rank_in("etp")
-        self.etp_ep_group = ctx.group("etp_ep")
-        self.num_local_experts = config.num_experts // self.ep_size
-        # Row i of the counts gathered over ETP x EP belongs to the rank at (etp, ep) coordinate:
-        member_coords = [dims.coords(rank) for rank in ctx.ranks("etp_ep")]
-        self._gather_row_of = {(c.etp, c.ep): i for i, c in enumerate(member_coords)}
-        self.stats = DispatchStats()
+        super().__init__(config, ctx)
         self._token_counts_checked = False
 
     # -- split bookkeeping ------------------------------------------------------------------------
@@ -83,13 +53,7 @@ class AllToAllDispatcher:
     def _local_chunk_sizes(self, counts: list[list[int]]) -> list[int]:
         """Rows received per chunk, chunks ordered ``[src etp][src ep][local expert]``."""
         first = self.ep_rank * self.num_local_experts
-        local = range(first, first + self.num_local_experts)
-        return [
-            counts[self._gather_row_of[(etp, ep)]][e]
-            for etp in range(self.etp_size)
-            for ep in range(self.ep_size)
-            for e in local
-        ]
+        return self._per_source(counts, range(first, first + self.num_local_experts))
 
     def _expert_major_index(self, chunk_sizes: list[int], device: torch.device) -> Tensor | None:
         """Row order that regroups ``[src][local expert]`` chunks by local expert (permutation 2)."""
@@ -170,15 +134,6 @@ class AllToAllDispatcher:
         metadata = AllToAllMetadata(hidden.shape[0], send_index, input_splits, output_splits, etp_sizes, row_index)
         return rows, tokens_per_local_expert, row_probs, metadata
 
-    def combine(self, expert_out: Tensor, metadata: AllToAllMetadata) -> Tensor:
-        """Sum ETP partials, send the rows home and add them up per token."""
-        rows = expert_out
-        if self.etp_size > 1:
-            rows = reduce_scatter_v(rows, metadata.etp_sizes, self.etp_group)
-        rows = all_to_all(rows, metadata.input_splits, metadata.output_splits, self.ep_group)
-        self._account_combine(expert_out, metadata)
-        return unpermute(rows, metadata.send_index, metadata.num_tokens)
-
     # -- accounting (host integers, no synchronisation) ------------------------------------------
 
     def _account_dispatch(self, hidden, input_splits, output_splits, etp_sizes, routing_map, probs) -> None:
@@ -191,17 +146,4 @@ class AllToAllDispatcher:
         self.stats.dispatch_bytes += (remote_rows + etp_rows) * row_bytes
         self.stats.dispatch_bytes_received += received * row_bytes
         self.stats.dispatches += 1
-        if self.config.capacity_factor is not None and torch.is_grad_enabled():
-            kept = (routing_map & (probs > 0)).sum()
-            self.stats.add_dropped(routing_map.shape[0] * self.config.top_k - kept)
-
-    def _account_combine(self, expert_out: Tensor, metadata: AllToAllMetadata) -> None:
-        row_bytes = expert_out.shape[1] * expert_out.element_size()
-        etp_rows = sum(metadata.etp_sizes) - metadata.etp_sizes[self.etp_rank]
-        remote_rows = sum(metadata.output_splits) - metadata.output_splits[self.ep_rank]
-        self.stats.combine_bytes += (etp_rows + remote_rows) * row_bytes
-        # The mirror image: the ETP peers' partial sums of this rank's rows, then the rows sent home.
-        own = metadata.etp_sizes[self.etp_rank]
-        received = own * (self.etp_size - 1) + sum(metadata.input_splits) - metadata.input_splits[self.ep_rank]
-        self.stats.combine_bytes_received += received * row_bytes
-
+        self._account_dropped(routing_map, probs)
