@@ -30,7 +30,7 @@ from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import RouterReduction
 from lightning_moe.parallel.context import ParallelContext
-from lightning_moe.parallel.dispatchers import DISPATCHERS, make_dispatcher
+from lightning_moe.parallel.dispatchers import check_dispatcher, make_dispatcher
 from lightning_moe.parallel.layout_check import expert_layer_problems
 
 __all__ = [
@@ -272,7 +272,9 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
     experts.register_load_state_dict_pre_hook(lambda *args: hooks.load(*args))
 
 
-def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, dispatcher: str = "alltoall") -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module, ctx: ParallelContext, dispatcher: str = "alltoall", flex_backend: str = "auto"
+) -> nn.Module:
     """Shard the experts of every `MoELayer` in ``model`` over EP x ETP and bind ``dispatcher``.
 
     Also points each router's statistics at the right groups: aux-loss counts over TP x CP and
@@ -280,14 +282,19 @@ def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, dispatcher: st
     local slice of each expert tensor is kept) and on meta-device models (call
     ``MoELayer.reset_parameters()`` after ``to_empty``: each expert is drawn from its global
     index, so the weights equal the one-device model's). Returns ``model``, modified in place.
+
+    ``dispatcher`` is ``alltoall``, ``allgather`` or ``flex``; ``flex_backend`` (``auto``,
+    ``torch``, ``deepep``) picks the implementation of ``flex`` and is ignored by the others.
+    Names, layout and backend are checked before anything is changed.
     """
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"Unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}.")
+    check_dispatcher(dispatcher, flex_backend)
     for layer in layers:
         _check_layer(layer, ctx)
-    for layer in layers:
+    # Built first, so that a backend that cannot run (DeepEP missing) leaves the model unchanged.
+    dispatchers = [make_dispatcher(dispatcher, layer.config, ctx, flex_backend) for layer in layers]
+    for layer, bound in zip(layers, dispatchers):
         _shard_experts(layer, ctx)
         layer.router.reduction = _router_reduction(ctx)
-        layer.dispatcher = make_dispatcher(dispatcher, layer.config, ctx)
+        layer.dispatcher = bound
     return model

@@ -9,7 +9,9 @@ must be. The oracles follow docs/architecture.md §9 and docs/numerics.md §4-§
   rank), gradients summed over the ranks;
 * aux / seq-aux losses: the layer applied to the concatenated tokens of each TP x CP group;
 * z-loss: the layer applied to each rank's tokens with ``coeff / |TP x CP|``;
-* global aux loss: the layer applied to the tokens of all TP x DP x CP ranks.
+* global aux loss: the layer applied to the tokens of all TP x DP x CP ranks;
+* `DispatchStats`: the rows and bytes each dispatcher must move, counted from the routing maps
+  of every rank (:func:`expected_dispatch_stats`).
 
 Nothing here calls ``torch.distributed``; the slicing of expert tensors is written out by hand
 (not with the library's ``_local_slice``) so the layout it checks is the documented one.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import torch
 from torch import Tensor
@@ -33,6 +36,7 @@ __all__ = [
     "Close",
     "build_reference",
     "compare",
+    "expected_dispatch_stats",
     "expert_block",
     "layer_grads",
     "make_tokens",
@@ -163,3 +167,74 @@ def expert_block(
         block = experts.shape[2] // etp_size
         return experts[:, :, etp_rank * block : (etp_rank + 1) * block]
     return experts
+
+
+def expected_dispatch_stats(
+    dispatcher: str, maps: list[Tensor], rank: int, dims, hidden: int, elem_bytes: int = 4
+) -> dict[str, int]:
+    """`DispatchStats` of one forward of ``dispatcher`` on global rank ``rank``.
+
+    ``maps``: the routing map every global rank dispatches (``[T_r, E]``); ``dims``: the
+    `ParallelDims`; rows and probabilities of ``elem_bytes`` per element. What a row is:
+
+    * ``alltoall``: one per (token, expert) pair, with its probability;
+    * ``flex``: one per (token, EP rank holding one of its experts), with the probability of each
+      of its experts there; beside it a bitmask of ``ceil(E_local / 8)`` bytes per row (none with
+      one local expert), counted as index bytes;
+    * both: the EP all-to-all sends the rows for other EP ranks, the ETP all-gather every received
+      row to each ETP peer; the combine sends each received row back (after the ETP reduce-scatter);
+    * ``allgather``: every token with its probs (fp32) and routing-map row (1 byte) over all E
+      experts, to every other rank of the ETP x EP group; the reduce-scatter the mirror image.
+    """
+    num_experts = maps[0].shape[1]
+    nle = num_experts // dims.ep
+    hidden_bytes = hidden * elem_bytes
+    if dispatcher == "allgather":
+        group_tokens = [maps[r].shape[0] for r in dims.group_of("etp_ep", rank)]
+        mine, others = maps[rank].shape[0], sum(group_tokens) - maps[rank].shape[0]
+        peers = len(group_tokens) - 1
+        row_bytes = hidden_bytes + num_experts * (elem_bytes + 1)
+        return {
+            "rows_sent": mine * peers, "dispatch_bytes": mine * peers * row_bytes,
+            "dispatch_bytes_received": others * row_bytes, "combine_bytes": others * hidden_bytes,
+            "combine_bytes_received": mine * peers * hidden_bytes,
+            "dispatch_index_bytes": 0, "dispatch_index_bytes_received": 0,
+        }
+
+    def block(source: int, dest_ep: int) -> Tensor:
+        return maps[source][:, dest_ep * nle : (dest_ep + 1) * nle]
+
+    def rows(source: int, dest_ep: int) -> int:
+        picked = block(source, dest_ep)
+        return int(picked.any(1).sum()) if dispatcher == "flex" else int(picked.sum())
+
+    def assignments(source: int, dest_ep: int) -> int:
+        return int(block(source, dest_ep).sum())
+
+    def received(r: int, count) -> int:
+        """What the EP all-to-all brings to global rank r: rows (or assignments) for its experts."""
+        return sum(count(s, dims.coords(r).ep) for s in dims.group_of("ep", r))
+
+    me, peers = dims.coords(rank).ep, dims.etp - 1
+    etp_peers = [r for r in dims.group_of("etp", rank) if r != rank]
+    totals = {}
+    for name, count in (("rows", rows), ("assign", assignments)):
+        remote = sum(count(rank, d) for d in range(dims.ep) if d != me)
+        mine = received(rank, count)
+        totals[name] = (
+            remote,
+            remote + mine * peers,  # sent: remote rows, then this rank's received rows to each ETP peer
+            mine - count(rank, me) + sum(received(r, count) for r in etp_peers),  # received
+        )
+    remote_rows, out_rows, in_rows = totals["rows"]
+    _, out_assign, in_assign = totals["assign"]
+    mask_bytes = math.ceil(nle / 8) if dispatcher == "flex" and nle > 1 else 0
+    return {
+        "rows_sent": remote_rows,
+        "dispatch_bytes": out_rows * hidden_bytes + out_assign * elem_bytes,
+        "dispatch_bytes_received": in_rows * hidden_bytes + in_assign * elem_bytes,
+        "combine_bytes": in_rows * hidden_bytes,
+        "combine_bytes_received": out_rows * hidden_bytes,
+        "dispatch_index_bytes": out_rows * mask_bytes,
+        "dispatch_index_bytes_received": in_rows * mask_bytes,
+    }

@@ -8,7 +8,9 @@ tolerances and lists every failing (case, rank, quantity) at once. Several cases
 
 Layouts (sizes; ``etp`` defaults to ``tp``): EP=2 (world 2); EP=4; EP=2, ETP=2; TP=2, ETP=1, EP=4
 (folded: dense DP=2, EDP=1; each rank holds distinct tokens, as under sequence parallelism).
-Aux-loss tests add CP=2, EP=4 (the TP x CP token group is then the CP group).
+Aux-loss tests add CP=2, EP=4 (the TP x CP token group is then the CP group). Dispatchers:
+``alltoall``, ``allgather`` and ``flex`` (its torch backend; ``test_flex_dispatcher.py`` has the
+rest of flex) run every parity and edge case.
 
 What is compared, per case:
 
@@ -19,7 +21,8 @@ What is compared, per case:
 * capacity dropping (both policies) and drop-and-pad: the same, with the oracle applied to each
   rank's own tokens (capacity is per rank, as upstream) and gradients summed over the ranks;
 * expert-bias counts summed over TP x DP x CP (every rank here) equal the oracle's counts;
-* `DispatchStats` of the forward pass equal the numbers implied by the oracle's routing maps;
+* `DispatchStats` of the forward pass equal the numbers implied by the oracle's routing maps
+  (``ep_oracles.expected_dispatch_stats``);
 * router losses (aux, seq aux, z, global aux): logged values and router/input gradients against
   the one-device layer per TP x CP token group (aux, seq aux), per rank with ``coeff / |TP x CP|``
   (z-loss) or over every rank (global aux, with the DP factor its docstring documents).
@@ -40,6 +43,7 @@ from parallel.ep_oracles import (
     INIT_STD,
     build_reference,
     compare,
+    expected_dispatch_stats,
     expert_block,
     layer_grads,
     make_tokens,
@@ -57,7 +61,6 @@ from lightning_moe.parallel import ParallelDims, build_parallel_context, paralle
 pytestmark = pytest.mark.distributed
 
 HIDDEN, FFN, NUM_EXPERTS, TOP_K, SHARED_FFN = 16, 8, 8, 2, 12
-FP32_BYTES = 4
 # A launch of 4 ranks with ~10 small cases takes 1-3 s; generous for a loaded 2-core machine.
 LAUNCH_TIMEOUT_S = 120.0
 
@@ -72,7 +75,7 @@ AUX_LAYOUTS = {
     "tp2_etp1_ep4": LAYOUTS["tp2_etp1_ep4"],
     "cp2_ep4": (4, {"cp": 2, "ep": 4}),
 }
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "flex")
 
 # Uneven token counts per rank (dropless and capacity dropping); drop-and-pad needs equal ones.
 UNEVEN_TOKENS = {2: (5, 9), 4: (5, 9, 4, 7)}
@@ -238,84 +241,10 @@ def _check_parity_case(rank: int, world: int, ctx, case: Case) -> list:
     maps = [m for _, m in routed]
     if config.router_padding_alignment is not None:  # the layer pads the router's map before dispatch
         maps = [pad_routing_map(m, config.router_padding_alignment) for m in maps]
-    local = torch.zeros(config.num_experts, dtype=torch.bool)
-    local[first : first + num_local] = True
-
-    def received_by(r: int) -> int:
-        """Rows the EP all-to-all brings to global rank r (for its local experts)."""
-        r_first = dims.coords(r).ep * num_local
-        return sum(int(maps[s][:, r_first : r_first + num_local].sum()) for s in dims.group_of("ep", r))
 
     _exact(rows, name, "stats.dispatches", stats.dispatches, 1)
-    if case.dispatcher == "alltoall":
-        remote = int(maps[rank][:, ~local].sum())
-        etp_dispatch = received_by(rank) * (etp_size - 1)
-        etp_combine = sum(received_by(r) for r in ctx.ranks("etp") if r != rank)
-        remote_combine = received_by(rank) - int(maps[rank][:, local].sum())
-        _exact(rows, name, "stats.rows_sent", stats.rows_sent, remote)
-        _exact(
-            rows,
-            name,
-            "stats.dispatch_bytes",
-            stats.dispatch_bytes,
-            (remote + etp_dispatch) * (HIDDEN * FP32_BYTES + FP32_BYTES),
-        )
-        _exact(
-            rows,
-            name,
-            "stats.combine_bytes",
-            stats.combine_bytes,
-            (etp_combine + remote_combine) * HIDDEN * FP32_BYTES,
-        )
-        # Received: the dispatch brings remote assignments and the ETP peers' rows; the combine
-        # brings the ETP peers' partial sums of this rank's rows and this rank's own rows home.
-        _exact(
-            rows,
-            name,
-            "stats.dispatch_bytes_received",
-            stats.dispatch_bytes_received,
-            (remote_combine + etp_combine) * (HIDDEN * FP32_BYTES + FP32_BYTES),
-        )
-        _exact(
-            rows,
-            name,
-            "stats.combine_bytes_received",
-            stats.combine_bytes_received,
-            (etp_dispatch + remote) * HIDDEN * FP32_BYTES,
-        )
-    else:
-        group_tokens = [counts[r] for r in ctx.ranks("etp_ep")]
-        peers = len(group_tokens) - 1
-        _exact(rows, name, "stats.rows_sent", stats.rows_sent, counts[rank] * peers)
-        # Token row (fp32) plus its probs (fp32) and routing-map row (1 byte) over all E experts.
-        _exact(
-            rows,
-            name,
-            "stats.dispatch_bytes",
-            stats.dispatch_bytes,
-            counts[rank] * peers * (HIDDEN * FP32_BYTES + config.num_experts * (FP32_BYTES + 1)),
-        )
-        _exact(
-            rows,
-            name,
-            "stats.combine_bytes",
-            stats.combine_bytes,
-            (sum(group_tokens) - counts[rank]) * HIDDEN * FP32_BYTES,
-        )
-        _exact(
-            rows,
-            name,
-            "stats.dispatch_bytes_received",
-            stats.dispatch_bytes_received,
-            (sum(group_tokens) - counts[rank]) * (HIDDEN * FP32_BYTES + config.num_experts * (FP32_BYTES + 1)),
-        )
-        _exact(
-            rows,
-            name,
-            "stats.combine_bytes_received",
-            stats.combine_bytes_received,
-            counts[rank] * peers * HIDDEN * FP32_BYTES,
-        )
+    for field, expected in expected_dispatch_stats(case.dispatcher, maps, rank, dims, HIDDEN).items():
+        _exact(rows, name, f"stats.{field}", getattr(stats, field), expected)
     if config.capacity_factor is None:
         _exact(rows, name, "stats.tokens_dropped", stats.tokens_dropped, None)
     else:
@@ -326,14 +255,17 @@ def _check_parity_case(rank: int, world: int, ctx, case: Case) -> list:
 
     # Premises of the edge cases: nothing routed to EP rank 0's experts, anywhere.
     if case.bias == "force_last" or case.dead == "first_ep_rank":
+        # EP rank 0 sends all its rows away: one per assignment (alltoall), per (token, rank) (flex).
+        by_rank = maps[rank].view(maps[rank].shape[0], ep_size, num_local)
+        sent_rows = {"alltoall": int(maps[rank].sum()), "flex": int(by_rank.any(-1).sum())}
         to_first = sum(int(m[:, :num_local].sum()) for m in maps)
         _exact(rows, name, "assignments to EP rank 0's experts (premise)", to_first, 0)
         _exact(
             rows,
             name,
             "stats.rows_sent of EP rank 0 (premise)",
-            stats.rows_sent if ep_rank == 0 and case.dispatcher == "alltoall" else None,
-            int(maps[rank].sum()) if ep_rank == 0 and case.dispatcher == "alltoall" else None,
+            stats.rows_sent if ep_rank == 0 and case.dispatcher in sent_rows else None,
+            sent_rows[case.dispatcher] if ep_rank == 0 and case.dispatcher in sent_rows else None,
         )
     return rows
 
@@ -586,6 +518,28 @@ def _loss_cases() -> list[LossCase]:
         ),
         LossCase("z_loss", "alltoall", (("z_loss_coeff", Z_COEFF),), "rank", "z_loss", seed=204),
         LossCase(
+            "flex: aux_loss sigmoid + expert bias",
+            "flex",
+            (
+                ("load_balancing", ["aux_loss"]),
+                ("aux_loss_coeff", AUX_COEFF),
+                ("score_func", "sigmoid"),
+                ("expert_bias", True),
+            ),
+            "tp_cp",
+            "load_balancing_loss",
+            seed=210,
+        ),
+        LossCase(
+            "flex: global_aux_loss, 2 micro-batches",
+            "flex",
+            (("load_balancing", ["global_aux_loss"]), ("aux_loss_coeff", AUX_COEFF)),
+            "all",
+            "global_load_balancing_loss",
+            microbatches=2,
+            seed=211,
+        ),
+        LossCase(
             "global_aux_loss, 2 micro-batches",
             "alltoall",
             (("load_balancing", ["global_aux_loss"]), ("aux_loss_coeff", AUX_COEFF)),
@@ -752,10 +706,10 @@ def _uneven_pad_rank(rank: int, world: int, layout: dict, cases: list[Case]) -> 
 def test_drop_and_pad_with_uneven_token_counts_is_exact_or_refused(dispatcher, tmp_path):
     """Drop-and-pad with 8 and 12 tokens on the two ranks (capacity is per rank's token count).
 
-    The all-gather dispatcher exchanges the token counts and handles it. The all-to-all one
-    documents that this mode needs equal counts (as upstream); it must then refuse with a
-    ValueError on every rank, not crash inside the collective (gloo aborts the process, NCCL
-    would hang or read past the buffers).
+    The all-gather and flex dispatchers exchange the token counts and handle it (exactly). The
+    all-to-all one documents that this mode needs equal counts (as upstream); it must then refuse
+    with a ValueError on every rank, not crash inside the collective (gloo aborts the process,
+    NCCL would hang or read past the buffers).
     """
     case = Case(
         f"{dispatcher}/drop-and-pad, 8 and 12 tokens",
@@ -768,6 +722,7 @@ def test_drop_and_pad_with_uneven_token_counts_is_exact_or_refused(dispatcher, t
     world, layout = LAYOUTS["ep2"]
     per_rank = run_distributed(_uneven_pad_rank, world, layout, [case], timeout_s=30, tmp_dir=tmp_path)
     refused = [[row for row in rows if row[2] == "refused"] for rows in per_rank]
+    assert dispatcher == "alltoall" or not any(refused), per_rank
     if any(refused):
         assert all(refused), f"only some ranks refused: {per_rank}"
     else:
@@ -827,7 +782,7 @@ def test_unknown_dispatcher_raises_and_leaves_the_model_unchanged(fake_context):
     layer = _small_layer()
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     with pytest.raises(
-        ValueError, match=r"Unknown dispatcher 'all2all'; choose one of \['allgather', 'alltoall'\]"
+        ValueError, match=r"Unknown dispatcher 'all2all'; choose one of \['allgather', 'alltoall', 'flex'\]"
     ):
         parallelize(layer, ctx, dispatcher="all2all")
     # A failed call must not leave a half-parallelised model behind (a retry with the right

@@ -19,6 +19,12 @@ class DispatchStats:
     sent), forward direction only: the backward moves the same amounts in reverse. Host integers,
     known without a device synchronisation (the split sizes are on the host already).
     ``tokens_dropped`` is a device tensor (capacity dropping), counted once per micro-batch.
+
+    Payload (``dispatch_bytes``, ``combine_bytes``) is what the experts consume: token rows,
+    probabilities, expert outputs. Routing indices that travel beside it in a collective of their
+    own (the ``flex`` dispatcher's per-row expert bitmasks) are ``dispatch_index_bytes``; the
+    split sizes exchanged before a dispatch are counted nowhere. ``allgather`` gathers the whole
+    routing map with the tokens and counts it in ``dispatch_bytes``.
     """
 
     dispatch_bytes: int = 0
@@ -29,8 +35,14 @@ class DispatchStats:
     """Payload bytes this rank received from other ranks while dispatching."""
     combine_bytes_received: int = 0
     """Payload bytes this rank received from other ranks while combining."""
+    dispatch_index_bytes: int = 0
+    """Routing-index bytes this rank sent while dispatching, beside the payload (``flex``: the
+    bitmask of the destination's local experts of every token row)."""
+    dispatch_index_bytes_received: int = 0
+    """Routing-index bytes this rank received from other ranks while dispatching."""
     rows_sent: int = 0
-    """Token rows this rank sent to other ranks while dispatching."""
+    """Token rows this rank sent to other ranks while dispatching (``alltoall``: one per remote
+    (token, expert) pair; ``flex``: one per (token, remote EP rank) pair)."""
     dispatches: int = 0
     """Forward dispatches counted."""
     tokens_dropped: Tensor | None = None
