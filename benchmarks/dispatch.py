@@ -1,8 +1,9 @@
 """Token dispatchers over expert parallelism: bytes moved and layer time, on forked gloo CPU ranks.
 
 For each EP size, ``EP`` ranks are forked (``tests/helpers/dist.py::run_distributed``), each holding
-``--tokens`` tokens of one global batch, and every dispatcher (``alltoall``, ``allgather``) is
-measured on the same `MoELayer` (built after ``torch.manual_seed(0)``, so the same weights):
+``--tokens`` tokens of one global batch, and every dispatcher (``alltoall``, ``allgather``,
+``flex`` with its torch backend) is measured on the same `MoELayer` (built after
+``torch.manual_seed(0)``, so the same weights):
 
 (a) Bytes of one forward dispatch and combine, summed over ranks, from each dispatcher's
     ``DispatchStats`` (payload that leaves a rank; the backward moves the same amounts in reverse),
@@ -15,7 +16,10 @@ measured on the same `MoELayer` (built after ``torch.manual_seed(0)``, so the sa
       ``D * H * b`` (the remote rank sums its experts' outputs for the token first).
 
     ``A``: remote (token, expert) assignments, ``D``: (token, remote rank) pairs, ``b``/``p``: bytes
-    per hidden / probability element. Routing indices are not counted in the references.
+    per hidden / probability element. Routing indices are not counted in the references: the
+    ``index MB`` column shows what a dispatcher sends of them in collectives of their own (flex:
+    a bitmask of the destination's local experts per row, ``D * ceil(E_local / 8)`` bytes),
+    outside the totals and ratios. ``flex`` sends exactly the dedup minimum (ratio 1.000x).
 
 (b) Forward+backward time of the whole layer per dispatcher, against the single-device layer on
     the whole global batch, measured in the same run with the cases interleaved (median of
@@ -95,7 +99,7 @@ def _bench_rank(rank: int, world_size: int, config: MoEConfig, tokens: int, dtyp
         stats = layer.dispatcher.stats.reset()
         assert stats.dispatches == 1, stats
         result["bytes"][name] = {"dispatch": stats.dispatch_bytes, "combine": stats.combine_bytes,
-                                 "rows": stats.rows_sent}
+                                 "rows": stats.rows_sent, "index": stats.dispatch_index_bytes}
         result["error"][name] = (out.detach().float() - expected.float()).abs().max().item()
     result["refs"] = _routing_references(single.router, x, world_size, rank)
     result["hidden_bytes"] = config.hidden_size * x.element_size()
@@ -130,17 +134,19 @@ def _bytes_table(ep: int, per_rank: list[dict]) -> str:
         f"Routed reference: {a} remote (token, expert) rows, {routed / 1e6:.3f} MB; dedup minimum: "
         f"{d} (token, remote rank) rows, {dedup / 1e6:.3f} MB.",
         "",
-        "| dispatcher | rows sent | dispatch MB | combine MB | total MB | vs routed | vs dedup min | max abs err |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dispatcher | rows sent | dispatch MB | combine MB | total MB | vs routed | vs dedup min | index MB "
+        "| max abs err |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in per_rank[0]["bytes"]:
         rows = sum(r["bytes"][name]["rows"] for r in per_rank)
         sent = sum(r["bytes"][name]["dispatch"] for r in per_rank)
         back = sum(r["bytes"][name]["combine"] for r in per_rank)
+        index = sum(r["bytes"][name]["index"] for r in per_rank)
         error = max(r["error"][name] for r in per_rank)
         lines.append(
             f"| {name} | {rows} | {sent / 1e6:.3f} | {back / 1e6:.3f} | {(sent + back) / 1e6:.3f} | "
-            f"{(sent + back) / routed:.3f}x | {(sent + back) / dedup:.3f}x | {error:.1e} |"
+            f"{(sent + back) / routed:.3f}x | {(sent + back) / dedup:.3f}x | {index / 1e6:.3f} | {error:.1e} |"
         )
     return "\n".join(lines)
 
