@@ -39,21 +39,23 @@ def parallelize(
     dispatcher: str = "alltoall",
     sharding_strategy: str = "NO_SHARD",
     mp_policy: MixedPrecisionPolicy | None = None,
+    flex_backend: str = "auto",
 ) -> nn.Module:
     """Apply the parallel layout of ``ctx`` to ``model`` in place and return it.
 
     Args:
         model: a module built for one device (meta-device parameters are fine).
         ctx: the layout, from :func:`~lightning_moe.parallel.build_parallel_context`.
-        dispatcher: token dispatcher of the MoE layers, ``"alltoall"`` or ``"allgather"``.
+        dispatcher: token dispatcher of the MoE layers, ``"alltoall"``, ``"allgather"`` or ``"flex"``.
         sharding_strategy: ``"NO_SHARD"`` (replicated data parallelism), ``"SHARD_GRAD_OP"`` or
             ``"FULL_SHARD"`` (FSDP2, see :mod:`~lightning_moe.parallel.fully_shard`).
         mp_policy: FSDP2 mixed precision of the sharded strategies (None: compute in the
             parameters' dtype).
+        flex_backend: implementation of the ``flex`` dispatcher, ``"auto"``, ``"torch"`` or ``"deepep"``.
     """
     check_fully_shard(model, ctx, sharding_strategy)
     for module in [m for m in model.modules() if isinstance(m, MoETransformer)]:
         apply_tensor_parallel(module, ctx)
-    apply_expert_parallel(model, ctx, dispatcher=dispatcher)
+    apply_expert_parallel(model, ctx, dispatcher=dispatcher, flex_backend=flex_backend)
     apply_fully_shard(model, ctx, sharding_strategy, mp_policy)
     return model

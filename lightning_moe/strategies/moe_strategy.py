@@ -78,7 +78,8 @@ class MoEStrategy(ParallelStrategy):
         pipeline_parallel_size: PP; only 1 is supported for now.
         expert_parallel_size: EP, experts sharded over this many ranks (``expert_model_parallel_size``).
         expert_tensor_parallel_size: ETP, each expert's F dimension sharded; None = TP, as Megatron.
-        dispatcher: token dispatcher, ``"alltoall"`` or ``"allgather"``.
+        dispatcher: token dispatcher, ``"alltoall"``, ``"allgather"`` or ``"flex"`` (README: choosing one).
+        flex_backend: ``flex``'s implementation: ``"auto"`` (DeepEP on CUDA where it can run), ``"torch"``, ``"deepep"``.
         sharding_strategy: ``"NO_SHARD"`` (default: replicated), ``"SHARD_GRAD_OP"`` or ``"FULL_SHARD"``
             (PyTorch FSDP2, dense over DP x CP, experts over EDP: :mod:`lightning_moe.parallel.fully_shard`).
         order: rank order of the folded layout, ``"tp-cp-ep-dp-pp"`` or ``"tp-cp-ep-pp-dp"``.
@@ -109,6 +110,7 @@ class MoEStrategy(ParallelStrategy):
         expert_parallel_size: int = 1,
         expert_tensor_parallel_size: int | None = None,
         dispatcher: str = "alltoall",
+        flex_backend: str = "auto",
         sharding_strategy: str = "NO_SHARD",
         order: str = "tp-cp-ep-dp-pp",
         bucket_size_mb: float = 25.0,
@@ -130,13 +132,14 @@ class MoEStrategy(ParallelStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )
-        check_strategy_options(pipeline_parallel_size, context_parallel_size, dispatcher, start_method)
+        check_strategy_options(pipeline_parallel_size, context_parallel_size, dispatcher, start_method, flex_backend)
         self.sizes = {
             "tp": tensor_parallel_size, "cp": context_parallel_size, "pp": pipeline_parallel_size,
             "ep": expert_parallel_size, "etp": expert_tensor_parallel_size,
         }
         self.order = order
         self.dispatcher = dispatcher
+        self.flex_backend = flex_backend
         self.sharding_strategy = check_sharding_strategy(sharding_strategy)
         self.bucket_size_mb = bucket_size_mb
         self._process_group_backend = process_group_backend
@@ -273,7 +276,7 @@ class MoEStrategy(ParallelStrategy):
         check_sharding_combination(self.sharding_strategy, self.precision_plugin, trainer.callbacks)
         gemm_choices = prepare_model_once(
             self.model, self.parallel_context, self.root_device, self.dispatcher, self.sharding_strategy,
-            sharding_mp_policy(str(getattr(self.precision_plugin, "precision", ""))),
+            sharding_mp_policy(str(getattr(self.precision_plugin, "precision", ""))), self.flex_backend,
         )
         if gemm_choices:
             rank_zero_info(
@@ -314,11 +317,8 @@ class MoEStrategy(ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Modules built here (``configure_model``, ``Trainer.init_module()``) go straight to this rank's device.
-
-        With ``empty_init=True`` they are built on the meta device instead and materialised in setup,
-        after sharding, so no rank ever holds the full model.
-        """
+        """Modules built here go straight to this rank's device; with ``empty_init=True`` to the meta
+        device instead, materialised in setup after sharding, so no rank ever holds the full model."""
         device = torch.device("meta") if empty_init else self.root_device
         with device, self.precision_plugin.tensor_init_context():
             yield

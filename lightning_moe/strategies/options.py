@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_moe.parallel.dispatchers import DISPATCHERS
+from lightning_moe.parallel.dispatchers import check_dispatcher
 
 __all__ = ["SUPPORTED_START_METHODS", "check_strategy_options"]
 
@@ -11,7 +11,8 @@ SUPPORTED_START_METHODS = ("popen",)
 
 
 def check_strategy_options(
-    pipeline_parallel_size: int, context_parallel_size: int, dispatcher: str, start_method: str
+    pipeline_parallel_size: int, context_parallel_size: int, dispatcher: str, start_method: str,
+    flex_backend: str = "auto",
 ) -> None:
     """Raise ``ValueError`` for an option `MoEStrategy` cannot honour (yet), saying what to use instead."""
     if pipeline_parallel_size != 1:
@@ -25,8 +26,7 @@ def check_strategy_options(
             "supported yet (the ranks of a CP group would see the same tokens twice); use "
             "context_parallel_size=1."
         )
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"Unknown dispatcher {dispatcher!r}; choose one of {sorted(DISPATCHERS)}.")
+    check_dispatcher(dispatcher, flex_backend)
     if start_method not in SUPPORTED_START_METHODS:
         raise ValueError(
             f"start_method={start_method!r} is not supported by MoEStrategy: Lightning's multiprocessing "

@@ -31,8 +31,13 @@ def test_pipeline_parallel_is_refused():
 
 
 def test_unknown_dispatcher_is_refused():
-    with pytest.raises(ValueError, match=r"Unknown dispatcher 'deepep'; choose one of \['allgather', 'alltoall'\]"):
+    with pytest.raises(ValueError, match=r"Unknown dispatcher 'deepep'; choose one of \['allgather', 'alltoall', 'flex'\]"):
         MoEStrategy(dispatcher="deepep")
+
+
+def test_unknown_flex_backend_is_refused():
+    with pytest.raises(ValueError, match=r"Unknown flex_backend 'nccl'; choose one of \['auto', 'torch', 'deepep'\]"):
+        MoEStrategy(dispatcher="flex", flex_backend="nccl")
 
 
 # -- layouts that do not fold into the world: Trainer init, in this process -----------------------

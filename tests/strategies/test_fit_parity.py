@@ -81,6 +81,7 @@ CASES = [
     Case("tp1-ep2-etp1-clip", (1, 2, 1), clip=CLIP),
     Case("tp1-ep2-etp1-accum2-clip-aux", (1, 2, 1), accumulate=2, clip=CLIP, aux=True),
     Case("tp1-ep4-etp1-allgather-accum2", (1, 4, 1), accumulate=2, dispatcher="allgather"),
+    Case("tp1-ep2-etp2-flex-accum2-clip-aux", (1, 2, 2), accumulate=2, clip=CLIP, aux=True, dispatcher="flex"),
 ]
 NUM_SAMPLES = DP * 2 * STEPS * 2  # enough micro-batches of 2 samples for STEPS steps with accumulation 2
 
