@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_moe.parallel.checkpoint_security import SafeFileSystemReader, SafeLoadPlanner, load_sharded
-from lightning_moe.parallel.expert_parallel import ExpertStateConverter, expert_shard
+from lightning_moe.parallel.expert_parallel import ExpertStateConverter, expert_shard, is_expert_param
 
 __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
+    "distribute_full_tensors",
     "init_optimizer_state",
     "load_optimizer_state_dict",
     "load_sharded",
@@ -44,6 +45,23 @@ def _params_by_index(optimizer: Optimizer) -> list[nn.Parameter]:
 
 def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def distribute_full_tensors(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` (full global tensors, e.g. a consolidated file) with each value whose tensor in
+    ``model`` is a tensor-parallel or FSDP2 DTensor cut to this rank's shard of it.
+
+    ``load_state_dict`` cannot copy a plain tensor into a DTensor. Expert tensors are left to the
+    experts' own load hooks. Every rank holds the full values, so nothing is communicated.
+    """
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    out = dict(state)
+    for key, value in state.items():
+        target = targets.get(key)
+        if isinstance(target, DTensor) and not isinstance(value, DTensor) and not is_expert_param(target):
+            out[key] = distribute_tensor(value.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+    return out
 
 
 def init_optimizer_state(optimizer: Optimizer) -> None:

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.parallel.checkpoint import (
+    distribute_full_tensors,
     init_optimizer_state,
     load_optimizer_state_dict,
     load_sharded,
@@ -299,7 +300,7 @@ class MoECheckpointing:
         path = self._on_rank_zero(lambda: self._resolve(path))
         if path.is_file():
             checkpoint = load_torch_file(path, safe)
-            model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
+            model.load_state_dict(distribute_full_tensors(model, checkpoint.pop("state_dict")), strict=strict)
             checkpoint.pop(LAYOUT_KEY, None)
             if self.strategy.optimizers:
                 rank_zero_warn(

@@ -65,12 +65,17 @@ class Capture(Callback):
         self.end = _capture(trainer, pl_module)
 
 
-def _fit(devices: int, ep: int, sharding: str, epochs: int, resume: Path | None = None, save: Path | None = None):
+def _fit(
+    devices: int, ep: int, sharding: str, epochs: int, resume: Path | None = None, save: Path | None = None,
+    consolidated: bool = False,
+):
     torch.manual_seed(0)
     # A constant learning rate: the schedule's length (max_steps) differs between the runs.
     module = MoELanguageModel(model_config(), learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0)
     capture = Capture()
-    strategy = MoEStrategy(expert_parallel_size=ep, sharding_strategy=sharding)
+    strategy = MoEStrategy(
+        expert_parallel_size=ep, sharding_strategy=sharding, save_distributed_checkpoint=not consolidated,
+    )
     trainer = L.Trainer(
         **quiet_trainer_kwargs(devices=devices, strategy=strategy, max_epochs=epochs, callbacks=[capture]),
         limit_val_batches=0, limit_train_batches=2,  # epochs of 2 steps, saved when they end
@@ -88,6 +93,9 @@ def _four_ranks(rank: int, world_size: int, root: str) -> dict:
         "B": _fit(WORLD, 4, "NO_SHARD", 2, resume=a, save=b),
         "C": _fit(WORLD, 2, "FULL_SHARD", 3, resume=b),
         "U": _fit(WORLD, 4, "NO_SHARD", 2),
+        # One consolidated file of full tensors (weights only), loaded into a sharded model.
+        "E": _fit(WORLD, 2, "FULL_SHARD", 1, save=Path(root) / "e.pt", consolidated=True),
+        "F": _fit(WORLD, 2, "FULL_SHARD", 2, resume=Path(root) / "e.pt"),
     }
 
 
@@ -116,6 +124,15 @@ def test_resume_across_sharding_and_expert_parallel_size_is_exact(runs, loaded, 
     ranks, _ = runs
     for r in ranks:
         _assert_identical(r[loaded]["start"], r[saved]["end"], f"{saved} -> {loaded}")
+
+
+def test_consolidated_file_loads_into_a_sharded_model(runs):
+    ranks, _ = runs
+    for r in ranks:
+        loaded, saved = r["F"]["start"]["weights"], r["E"]["end"]["weights"]
+        assert loaded.keys() == saved.keys()
+        for name, value in saved.items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_resume_sharded_checkpoint_in_one_process_is_exact(runs):
