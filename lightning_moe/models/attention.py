@@ -1,9 +1,11 @@
-"""Causal self-attention of the reference model: RMSNorm, rotary embeddings, grouped-query attention.
+"""Causal self-attention of the reference model: RMSNorm, grouped-query attention, qk-norm.
 
 Everything here is single-device code (docs/architecture.md §2). The attention module reads the number of
 heads it holds from its projections' output width at run time (``view(B, S, -1, head_dim)``), so a
 tensor-parallel plan that column-shards ``q_proj``/``k_proj``/``v_proj`` and row-shards ``o_proj``
-needs no change here: each rank then simply computes its local heads.
+needs no change here: each rank then simply computes its local heads (except with ``qk_norm="full"``,
+whose norm spans every head). Rotary embeddings live in :mod:`lightning_moe.models.rope` (re-exported
+here); multi-head latent attention in :mod:`lightning_moe.models.mla`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Attention", "CoreAttention", "RMSNorm", "apply_rotary", "rotary_cos_sin"]
+from lightning_moe.models.rope import apply_rotary, rotary_cos_sin
+
+__all__ = [
+    "QK_NORM_MODES", "Attention", "CoreAttention", "RMSNorm", "apply_rotary", "qk_norm_mode", "rotary_cos_sin",
+]
+
+QK_NORM_MODES = ("head", "full")
+
+
+def qk_norm_mode(qk_norm: bool | str | None) -> str | None:
+    """The query/key norm ``qk_norm`` asks for: None (off), ``"head"`` (True) or ``"full"``."""
+    if qk_norm is None or qk_norm is False:
+        return None
+    if qk_norm is True:
+        return "head"
+    if qk_norm in QK_NORM_MODES:
+        return qk_norm
+    raise ValueError(
+        f"Unknown qk_norm {qk_norm!r}; use False, True or 'head' (one RMSNorm per head, Qwen3), or "
+        "'full' (one RMSNorm over the whole projection, OLMoE)."
+    )
 
 
 class RMSNorm(nn.Module):
@@ -42,56 +64,40 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}"
 
 
-def rotary_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device | str | None = None
-) -> tuple[Tensor, Tensor]:
-    """Rotary tables for positions ``0 .. seq_len-1``: ``(cos, sin)``, each fp32 ``[seq_len, head_dim]``.
-
-    Frequency ``theta ** (-2j / head_dim)`` for pair ``j``, repeated for both halves of the head
-    (the "rotate half" layout of Hugging Face Llama/Qwen/Mixtral/OLMoE and Megatron's default
-    ``rotary_interleaved=False``). Computed on the fly: a few ``S x head_dim`` flops, no buffer to
-    rebuild after a meta-device build.
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # [S, head_dim/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [S, head_dim]
-    return angles.cos(), angles.sin()
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``[B, S, heads, head_dim]`` by the position tables ``[S, head_dim]`` (fp32 math)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [S, 1, head_dim], broadcast over batch and heads
-    x32 = x.float()
-    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)
-
-
 class CoreAttention(nn.Module):
-    """Causal ``scaled_dot_product_attention`` with GQA: ``q`` ``[B, heads, S, D]``, ``k``/``v``
-    ``[B, kv_heads, S, D]`` -> ``[B, heads, S, D]``.
+    """Causal ``scaled_dot_product_attention`` with GQA: ``q``/``k`` ``[B, heads or kv_heads, S, D]``,
+    ``v`` ``[B, kv_heads, S, Dv]`` -> ``[B, heads, S, Dv]``.
 
     No parameters; a module of its own so the attention kernel is a named boundary
     (``layers.{i}.attn.core_attn``) for recompute and activation offload (Megatron's ``core_attn``).
+    ``softmax_scale`` multiplies ``q @ k^T``; None is ``D ** -0.5``.
     """
 
+    def __init__(self, softmax_scale: float | None = None) -> None:
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+    def extra_repr(self) -> str:
+        return "" if self.softmax_scale is None else f"softmax_scale={self.softmax_scale:.6g}"
 
 
 class Attention(nn.Module):
     """Causal multi-head / grouped-query self-attention with rotary embeddings and optional qk-norm.
 
     Projections (``nn.Linear``, no bias; weights ``[out, in]``): ``q_proj`` ``[heads*D, H]``,
-    ``k_proj`` and ``v_proj`` ``[kv_heads*D, H]``, ``o_proj`` ``[H, heads*D]``; with qk-norm,
-    ``q_norm`` and ``k_norm`` are :class:`RMSNorm` over one head (``[D]``), applied before the
-    rotation as in Qwen3. Attention itself is ``core_attn`` (:class:`CoreAttention`,
+    ``k_proj`` and ``v_proj`` ``[kv_heads*D, H]``, ``o_proj`` ``[H, heads*D]``. ``qk_norm`` (see
+    :func:`qk_norm_mode`): ``"head"`` (or True) makes ``q_norm`` and ``k_norm`` :class:`RMSNorm` s
+    over one head (``[D]``), as in Qwen3; ``"full"`` makes them span the whole projection
+    (``[heads*D]`` and ``[kv_heads*D]``), as in OLMoE. Either is applied before the rotation.
+    Attention itself is ``core_attn`` (:class:`CoreAttention`,
     ``scaled_dot_product_attention(is_causal=True)``) with GQA (each kv head serves
-    ``heads // kv_heads`` consecutive query heads).
+    ``heads // kv_heads`` consecutive query heads). ``rope_interleaved`` selects DeepSeek's
+    pairing of rotary features (see :mod:`lightning_moe.models.rope`).
     """
 
     def __init__(
@@ -100,30 +106,39 @@ class Attention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        qk_norm: bool = False,
+        qk_norm: bool | str = False,
         norm_eps: float = 1e-6,
+        rope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         """Width D of one head; the head counts are read from the projections at run time."""
+        self.qk_norm = qk_norm_mode(qk_norm)
+        """None, ``"head"`` or ``"full"``: which query/key norm is applied."""
+        self.rope_interleaved = rope_interleaved
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        full = self.qk_norm == "full"
+        self.q_norm = RMSNorm(num_heads * head_dim if full else head_dim, norm_eps) if self.qk_norm else None
+        self.k_norm = RMSNorm(num_kv_heads * head_dim if full else head_dim, norm_eps) if self.qk_norm else None
         self.core_attn = CoreAttention()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Attend causally over ``x`` ``[B, S, H]`` with rotary tables ``[S, D]``; returns ``[B, S, H]``."""
         batch, seq, _ = x.shape
-        # -1 = the heads this module holds: all of them on one device, a shard under tensor parallelism.
-        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # [B, S, heads, D]
-        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)  # [B, S, kv_heads, D]
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)  # [B, S, kv_heads, D]
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":  # over every head at once, before the heads are split
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # -1 = the heads this module holds: all of them on one device, a shard under tensor parallelism.
+        q = q.view(batch, seq, -1, self.head_dim)  # [B, S, heads, D]
+        k = k.view(batch, seq, -1, self.head_dim)  # [B, S, kv_heads, D]
+        v = v.view(batch, seq, -1, self.head_dim)  # [B, S, kv_heads, D]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin, self.rope_interleaved)
+        k = apply_rotary(k, cos, sin, self.rope_interleaved)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads or kv_heads, S, D]
         out = self.core_attn(q, k, v)
         out = out.transpose(1, 2).reshape(batch, seq, -1)  # [B, S, heads*D]

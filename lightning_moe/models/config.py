@@ -17,8 +17,14 @@ from dataclasses import dataclass
 from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.field_docs import document_fields
+from lightning_moe.models.attention import qk_norm_mode
+from lightning_moe.models.rope import RopeScaling
 
-__all__ = ["MoETransformerConfig"]
+__all__ = ["ATTENTION_TYPES", "MLA_FIELDS", "MoETransformerConfig"]
+
+ATTENTION_TYPES = ("mha", "mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The settings of multi-head latent attention; None unless ``attention='mla'``."""
 
 
 @document_fields
@@ -70,9 +76,11 @@ class MoETransformerConfig:
     norm_eps: float = 1e-6
     """Epsilon of every RMSNorm (HF ``rms_norm_eps``, Megatron ``norm_epsilon``)."""
 
-    qk_norm: bool = False
-    """RMSNorm on each query and key head (width ``head_dim``) before the rotary embedding, as in
-    Qwen3 (Megatron ``qk_layernorm``)."""
+    qk_norm: bool | str = False
+    """RMSNorm on the queries and keys before the rotary embedding (Megatron ``qk_layernorm``):
+    True or ``head`` normalises each head (width ``head_dim``), as Qwen3; ``full`` normalises the
+    whole projection (widths ``heads * head_dim`` and ``kv_heads * head_dim``), as OLMoE (not
+    supported under tensor parallelism, which splits the heads)."""
 
     tie_embeddings: bool = False
     """Share one ``[V, H]`` tensor between the token embedding and the output head (HF
@@ -96,9 +104,42 @@ class MoETransformerConfig:
     """Standard deviation of the normal initialisation of the embedding, attention, dense MLP and
     output weights (Megatron ``init_method_std``); the MoE layers use ``moe.init_std``."""
 
+    rope_interleaved: bool = False
+    """Rotate interleaved feature pairs ``(2j, 2j+1)`` instead of ``(j, j + D/2)`` (HF DeepSeek-V3
+    ``rope_interleave``, Megatron ``rotary_interleaved``)."""
+
+    rope_scaling: RopeScaling | None = None
+    """Context extension of the rotary embedding (YaRN; HF ``rope_parameters`` / ``rope_scaling``);
+    None for plain rotary embeddings."""
+
+    attention: str = "mha"
+    """Attention type: ``mha`` (multi-head / grouped-query attention, :class:`~lightning_moe.models.Attention`)
+    or ``mla`` (DeepSeek's multi-head latent attention, :class:`~lightning_moe.models.MultiLatentAttention`,
+    shaped by the five fields below; Megatron ``multi_latent_attention``)."""
+
+    q_lora_rank: int | None = None
+    """MLA: rank of the query latent (HF and Megatron ``q_lora_rank``); None projects the queries
+    directly (``q_proj``), as DeepSeek-V2-Lite."""
+
+    kv_lora_rank: int | None = None
+    """MLA: rank of the compressed key/value latent (HF and Megatron ``kv_lora_rank``)."""
+
+    qk_nope_head_dim: int | None = None
+    """MLA: per-head query/key width without position embedding (HF ``qk_nope_head_dim``,
+    Megatron ``qk_head_dim``)."""
+
+    qk_rope_head_dim: int | None = None
+    """MLA: per-head query width with rotary embedding, and width of the rotary key shared by
+    all heads (HF ``qk_rope_head_dim``, Megatron ``qk_pos_emb_head_dim``). Even."""
+
+    v_head_dim: int | None = None
+    """MLA: per-head value width (HF and Megatron ``v_head_dim``)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.moe_layer_freq, (list, tuple)):
             self.moe_layer_freq = [int(flag) for flag in self.moe_layer_freq]
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
         self._validate()
 
     # ----------------------------------------------------------------------------- derived shapes
@@ -110,8 +151,21 @@ class MoETransformerConfig:
 
     @property
     def attention_head_dim(self) -> int:
-        """Width of one head (``head_dim``, or ``hidden_size // num_attention_heads``)."""
+        """Width of one head (``head_dim``, or ``hidden_size // num_attention_heads``); with MLA the
+        query/key width ``qk_nope_head_dim + qk_rope_head_dim``."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width the rotary tables cover: the head width, or ``qk_rope_head_dim`` with MLA."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.attention_head_dim
+
+    @property
+    def qk_norm_mode(self) -> str | None:
+        """``qk_norm`` normalised: None (off), ``"head"`` or ``"full"``."""
+        return qk_norm_mode(self.qk_norm)
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block ``index`` (0-based) has an MoE feed-forward layer (else a dense MLP)."""
@@ -152,11 +206,25 @@ class MoETransformerConfig:
         return total
 
     def _attention_parameters(self) -> int:
+        if self.attention == "mla":
+            return self._mla_parameters()
         q_width = self.num_attention_heads * self.attention_head_dim
         kv_width = self.kv_heads * self.attention_head_dim
-        norms = 2 * self.attention_head_dim if self.qk_norm else 0
+        mode = self.qk_norm_mode
+        norms = {None: 0, "head": 2 * self.attention_head_dim, "full": q_width + kv_width}[mode]
         # q_proj [q, H], k_proj and v_proj [kv, H], o_proj [H, q]; no biases.
         return 2 * q_width * self.hidden_size + 2 * kv_width * self.hidden_size + norms
+
+    def _mla_parameters(self) -> int:
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        qk, rank = self.attention_head_dim, self.q_lora_rank
+        # q_proj [heads*qk, H], or q_down_proj [r, H] + q_latent_norm [r] + q_up_proj [heads*qk, r].
+        q = heads * qk * hidden if rank is None else rank * hidden + rank + heads * qk * rank
+        kv_rank = self.kv_lora_rank
+        # kv_down_proj [kv_r + rope, H], kv_latent_norm [kv_r], kv_up_proj [heads*(nope + v), kv_r].
+        kv = (kv_rank + self.qk_rope_head_dim) * hidden + kv_rank
+        kv += heads * (self.qk_nope_head_dim + self.v_head_dim) * kv_rank
+        return q + kv + hidden * heads * self.v_head_dim  # + o_proj [H, heads*v]
 
     def _moe_parameters(self, active: bool) -> int:
         moe, hidden = self.moe, self.hidden_size
@@ -193,6 +261,21 @@ class MoETransformerConfig:
             )
 
     def _validate_attention(self) -> None:
+        if self.attention not in ATTENTION_TYPES:
+            raise ValueError(
+                f"Unknown attention {self.attention!r}; choose 'mha' (multi-head / grouped-query) or "
+                "'mla' (multi-head latent attention)."
+            )
+        qk_norm_mode(self.qk_norm)  # raises on an unknown value
+        if self.attention == "mla":
+            self._validate_mla()
+            return
+        set_mla = [f"{name}={getattr(self, name)}" for name in MLA_FIELDS if getattr(self, name) is not None]
+        if set_mla:
+            raise ValueError(
+                f"{', '.join(set_mla)} only applies to attention='mla'; set attention: mla or leave "
+                f"{', '.join(s.split('=')[0] for s in set_mla)} unset."
+            )
         heads = self.num_attention_heads
         if self.num_kv_heads is not None and (self.num_kv_heads < 1 or heads % self.num_kv_heads):
             raise ValueError(
@@ -208,6 +291,36 @@ class MoETransformerConfig:
             raise ValueError(
                 f"head_dim={self.attention_head_dim} must be even and >= 2: rotary embeddings rotate "
                 "pairs of features."
+            )
+
+    def _validate_mla(self) -> None:
+        required = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        missing = [name for name in required if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"attention='mla' needs {', '.join(missing)} (DeepSeek-V3: 512, 128, 64, 128).")
+        for name in (*required, "q_lora_rank"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"MoETransformerConfig.{name} must be >= 1, got {value}.")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim={self.qk_rope_head_dim} must be even: rotary embeddings rotate pairs of "
+                "features."
+            )
+        if self.num_kv_heads is not None and self.num_kv_heads != self.num_attention_heads:
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} does not apply to attention='mla' (every head has its own "
+                "key and value, expanded from the shared latent); set num_kv_heads: null."
+            )
+        if self.head_dim is not None:
+            raise ValueError(
+                f"head_dim={self.head_dim} does not apply to attention='mla': qk_nope_head_dim + "
+                "qk_rope_head_dim and v_head_dim set the head widths; set head_dim: null."
+            )
+        if self.qk_norm_mode is not None:
+            raise ValueError(
+                f"qk_norm does not apply to attention='mla' (got qk_norm={self.qk_norm!r}): its latents have "
+                "their own RMSNorms. Set qk_norm: false."
             )
 
     def _validate_layer_pattern(self) -> None:

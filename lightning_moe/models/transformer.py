@@ -7,7 +7,9 @@ parallelism by a plan over the module names below). Module names are a stable pu
     embed                      nn.Embedding [V, H]
     layers.{i}.attn_norm       RMSNorm [H]
     layers.{i}.attn            Attention: q_proj, k_proj, v_proj, o_proj (nn.Linear), q_norm, k_norm,
-                               core_attn (CoreAttention, no parameters)
+                               core_attn (CoreAttention, no parameters); with attention='mla'
+                               MultiLatentAttention: q_proj or q_down_proj, q_latent_norm, q_up_proj;
+                               kv_down_proj, kv_latent_norm, kv_up_proj, o_proj, rope_key, core_attn
     layers.{i}.ffn_norm        RMSNorm [H]
     layers.{i}.ffn             MoELayer (MoE layers) or DenseMLP: gate_proj, up_proj, down_proj
     norm                       RMSNorm [H]
@@ -21,10 +23,14 @@ by global expert index) depends only on the model seed and its name. A model bui
 device, materialised with ``to_empty`` and re-initialised with :meth:`MoETransformer.reset_parameters`
 holds the same weights as one built directly after the same ``torch.manual_seed``, and either
 build advances the global RNG by exactly one draw.
+
+Published weights: :meth:`MoETransformer.from_pretrained` reads a Hugging Face model directory
+and :meth:`MoETransformer.save_pretrained` writes one (:mod:`lightning_moe.models.hf`).
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import torch
@@ -32,8 +38,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.models.attention import Attention, RMSNorm, rotary_cos_sin
+from lightning_moe.models.attention import Attention, RMSNorm
 from lightning_moe.models.config import MoETransformerConfig
+from lightning_moe.models.mla import MultiLatentAttention
+from lightning_moe.models.rope import rotary_cos_sin
 
 __all__ = [
     "EMPTY_BATCH_HINT", "DenseMLP", "MoETransformer", "TransformerBlock", "init_generator", "module_seed",
@@ -111,20 +119,39 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _build_attention(config: MoETransformerConfig) -> nn.Module:
+    if config.attention == "mla":
+        return MultiLatentAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            q_lora_rank=config.q_lora_rank,
+            softmax_scale=MultiLatentAttention.default_softmax_scale(
+                config.attention_head_dim, config.rope_scaling
+            ),
+            rope_interleaved=config.rope_interleaved,
+        )
+    return Attention(
+        config.hidden_size,
+        config.num_attention_heads,
+        config.kv_heads,
+        config.attention_head_dim,
+        qk_norm=config.qk_norm,
+        norm_eps=config.norm_eps,
+        rope_interleaved=config.rope_interleaved,
+    )
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(attn_norm(x))``, then ``+ ffn(ffn_norm(x))`` (MoE or dense)."""
 
     def __init__(self, config: MoETransformerConfig, ffn: nn.Module) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attn = Attention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.kv_heads,
-            config.attention_head_dim,
-            qk_norm=config.qk_norm,
-            norm_eps=config.norm_eps,
-        )
+        self.attn = _build_attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.ffn = ffn
 
@@ -249,7 +276,8 @@ class MoETransformer(nn.Module):
                 f"padding_mask must have the shape of tokens {tuple(tokens.shape)}, "
                 f"got {tuple(padding_mask.shape)}."
             )
-        cos, sin = rotary_cos_sin(seq, self.config.attention_head_dim, self.config.rope_theta, tokens.device)
+        config = self.config
+        cos, sin = rotary_cos_sin(seq, config.rotary_dim, config.rope_theta, tokens.device, config.rope_scaling)
         x = self.embed(tokens)  # [B, S, H]
         for layer in self.layers:
             x = layer(x, cos, sin, padding_mask)
@@ -265,6 +293,38 @@ class MoETransformer(nn.Module):
         out of the MoE statistics).
         """
         return next_token_loss(self(tokens, padding_mask), targets, ignore_index)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, **overrides
+    ) -> MoETransformer:
+        """Build the model of a Hugging Face model directory and load its weights (Hugging Face's name).
+
+        Reads ``config.json`` (Qwen3-MoE, Mixtral, OLMoE or DeepSeek-V3; anything this model cannot
+        reproduce exactly is refused with an error naming the field) and the safetensors files
+        (one file or shards with ``model.safetensors.index.json``). Weights keep the dtypes of the
+        files unless ``dtype`` is given; ``overrides`` replace fields of the mapped
+        :class:`MoETransformerConfig` (training settings; ``moe`` may be a dict of
+        :class:`~lightning_moe.MoEConfig` fields). Needs the ``hf`` extra (safetensors). See
+        :func:`lightning_moe.models.hf.load_pretrained`.
+        """
+        from lightning_moe.models.hf import load_pretrained  # hf builds this class: import at call time
+
+        return load_pretrained(path, dtype=dtype, model_class=cls, **overrides)
+
+    def save_pretrained(
+        self, path: str | os.PathLike, family: str | None = None, max_shard_size: int | str = "5GB"
+    ) -> None:
+        """Write a Hugging Face model directory that ``transformers`` loads (Hugging Face's name).
+
+        ``config.json`` and safetensors weights in the on-disk format ``transformers`` uses for
+        ``family`` (per-expert keys; None infers it from the config), sharded with an index past
+        ``max_shard_size`` (bytes, or a string such as ``"5GB"``). The whole model must be on this
+        process (not parallelised). See :func:`lightning_moe.models.hf.save_pretrained`.
+        """
+        from lightning_moe.models.hf import save_pretrained  # hf builds this class: import at call time
+
+        save_pretrained(self, path, family=family, max_shard_size=max_shard_size)
 
     def extra_repr(self) -> str:
         config = self.config

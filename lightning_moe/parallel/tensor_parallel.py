@@ -7,6 +7,13 @@ Applied with ``torch.distributed.tensor.parallel`` on the dense mesh's ``tp`` di
 * norms run sequence parallel (each TP rank normalises its own slice of the sequence);
 * attention and dense MLPs gather the sequence, shard heads / hidden units column-wise
   (q/k/v, gate/up) and row-wise (o, down), and scatter the result back over the sequence;
+* multi-head latent attention (Megatron's MLA plan): the down projections and latent norms are
+  replicated DTensors fed the gathered sequence (each TP rank back-propagates only its heads, so
+  their gradients arrive ``Partial`` and are summed over TP), the up projections column-parallel
+  over heads, ``o_proj`` row-parallel; the shared rotary key leaves the replicated part as a
+  local tensor whose gradient is declared partial (``rope_key``);
+* OLMoE's q/k norm over the whole projection (``qk_norm='full'``) gathers the head-sharded
+  projection, normalises it with a replicated weight and hands each rank its heads back;
 * every MoE layer receives this rank's *local* sequence slice: the ranks of a TP group route
   distinct tokens, which is what MoE parallel folding expects (experts live on EP, not TP);
 * the output head is sharded over the vocabulary and its logits gathered.
@@ -21,9 +28,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -31,9 +39,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_moe.layers.moe import MoELayer
+from lightning_moe.models.mla import MultiLatentAttention
 from lightning_moe.parallel.context import ParallelContext
 
-__all__ = ["apply_tensor_parallel", "shard_moe_input", "tensor_parallel_plan"]
+__all__ = [
+    "GatheredNormParallel",
+    "ReplicateParallel",
+    "apply_tensor_parallel",
+    "shard_moe_input",
+    "tensor_parallel_plan",
+]
 
 
 def shard_moe_input(layer: MoELayer, tp_mesh: DeviceMesh) -> None:
@@ -64,6 +79,47 @@ def shard_moe_input(layer: MoELayer, tp_mesh: DeviceMesh) -> None:
 
     layer.register_forward_pre_hook(to_local)
     layer.register_forward_hook(to_sequence_sharded)
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters as DTensors over the TP mesh; its inputs are DTensors already.
+
+    Its outputs stay replicated DTensors and, since each TP rank back-propagates only the heads it
+    holds, its parameters' gradients come out ``Partial``: the gradient synchroniser sums them
+    over TP (MLA's down projections and latent norms, Megatron's duplicated layers).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)  # the default partition_fn replicates
+
+
+class GatheredNormParallel(ParallelStyle):
+    """A norm over a head-sharded feature dimension (OLMoE's ``qk_norm='full'``): gather, normalise, re-shard.
+
+    The input is this rank's local ``[B, S, width / TP]`` slice of a column-parallel projection;
+    it is all-gathered on the last dimension, normalised with the replicated weight (every rank
+    then computes the same complete weight gradient) and this rank's slice is returned as a local
+    tensor. Costs one all-gather of the projection per use, forward and backward.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x, *rest = inputs
+            full = DTensor.from_local(x, mesh, (Shard(x.dim() - 1),), run_check=False)
+            return (full.redistribute(placements=(Replicate(),)), *rest)
+
+        def scatter(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+            return output.redistribute(placements=(Shard(output.dim() - 1),)).to_local()
+
+        return distribute_module(module, device_mesh, input_fn=gather, output_fn=scatter)
+
+
+def _rope_key_to_local(module: nn.Module, args: tuple) -> tuple:
+    """The shared rotary key as a local tensor, its gradient (from this rank's heads only) partial."""
+    (k_rot,) = args
+    if isinstance(k_rot, DTensor):
+        k_rot = k_rot.to_local(grad_placements=(Partial(),))
+    return (k_rot,)
 
 
 def _check_divisible(model: nn.Module, tp: int) -> None:
@@ -108,8 +164,14 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, object]:
         plan[f"{prefix}.attn"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         )
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{prefix}.attn.{name}"] = ColwiseParallel()
+        if isinstance(block.attn, MultiLatentAttention):
+            plan.update(_mla_plan(f"{prefix}.attn", block.attn))
+        else:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                plan[f"{prefix}.attn.{name}"] = ColwiseParallel()
+            if getattr(block.attn, "qk_norm", None) == "full":
+                plan[f"{prefix}.attn.q_norm"] = GatheredNormParallel()
+                plan[f"{prefix}.attn.k_norm"] = GatheredNormParallel()
         plan[f"{prefix}.attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
         if not isinstance(block.ffn, MoELayer):  # MoE layers: see shard_moe_input
             # The dense MLP takes (x, padding_mask): gather the sequence of x.
@@ -119,6 +181,21 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, object]:
             plan[f"{prefix}.ffn.gate_proj"] = ColwiseParallel()
             plan[f"{prefix}.ffn.up_proj"] = ColwiseParallel()
             plan[f"{prefix}.ffn.down_proj"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
+def _mla_plan(prefix: str, attention: MultiLatentAttention) -> dict[str, object]:
+    """Down projections and latent norms replicated, up projections column-parallel (over heads)."""
+    plan: dict[str, object] = {}
+    if hasattr(attention, "q_proj"):
+        plan[f"{prefix}.q_proj"] = ColwiseParallel()
+    else:
+        plan[f"{prefix}.q_down_proj"] = ReplicateParallel()
+        plan[f"{prefix}.q_latent_norm"] = ReplicateParallel()
+        plan[f"{prefix}.q_up_proj"] = ColwiseParallel()
+    plan[f"{prefix}.kv_down_proj"] = ReplicateParallel()
+    plan[f"{prefix}.kv_latent_norm"] = ReplicateParallel()
+    plan[f"{prefix}.kv_up_proj"] = ColwiseParallel()
     return plan
 
 
@@ -139,6 +216,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
 
     model.register_forward_pre_hook(check_sequence_length)
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    for block in model.layers:
+        if isinstance(block.attn, MultiLatentAttention):
+            block.attn.rope_key.register_forward_pre_hook(_rope_key_to_local)
     for block in model.layers:
         if isinstance(block.ffn, MoELayer):
             shard_moe_input(block.ffn, tp_mesh)

@@ -1,0 +1,193 @@
+"""Tensor names and layouts between Hugging Face checkpoints and :class:`MoETransformer`'s state dict.
+
+Hugging Face's on-disk format (what ``save_pretrained`` writes) keeps one tensor per expert:
+``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (Mixtral:
+``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``); ``transformers`` 5 fuses them in memory into
+``experts.gate_up_proj`` ``[E, 2F, H]`` (gate rows then up rows) and ``experts.down_proj``
+``[E, H, F]``, which is exactly our ``experts.fc1_weight`` / ``fc2_weight``. Reading accepts
+both (and Mixtral's in-memory ``mlp`` prefix); writing uses the per-expert keys. The router is
+``{mlp}.gate.weight`` -> ``router.weight``, DeepSeek's ``e_score_correction_bias`` -> ``router.expert_bias``; DeepSeek's shared experts
+``shared_experts.{gate,up,down}_proj`` -> ``shared_expert.fc1`` (gate rows then up rows) and ``fc2``.
+Every tensor keeps its dtype; stacking and splitting copy values bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+from lightning_moe.models.config import MoETransformerConfig
+
+__all__ = ["hf_state_dict", "hf_tensors"]
+
+# Our attention parameter -> Hugging Face's (MHA names are the same; MLA as in DeepseekV3Attention).
+_MLA_NAMES = {
+    "q_proj": "q_proj", "q_down_proj": "q_a_proj", "q_latent_norm": "q_a_layernorm", "q_up_proj": "q_b_proj",
+    "kv_down_proj": "kv_a_proj_with_mqa", "kv_latent_norm": "kv_a_layernorm", "kv_up_proj": "kv_b_proj",
+    "o_proj": "o_proj",
+}
+_MHA_NAMES = {name: name for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+_TOP_LEVEL = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+# Keys older checkpoints carry that no model reads (rotary tables saved as buffers).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+
+def _moe_prefix(family: str) -> str:
+    return "block_sparse_moe" if family == "mixtral" else "mlp"
+
+
+def _expert_names(family: str) -> tuple[str, str, str]:
+    """(gate, up, down) projection names of one Hugging Face expert."""
+    return ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+
+def _hf_name(key: str, config: MoETransformerConfig, family: str) -> str:
+    """The Hugging Face name of our state-dict ``key`` (not the stacked expert tensors)."""
+    if key in _TOP_LEVEL:
+        return _TOP_LEVEL[key]
+    match = _LAYER_KEY.fullmatch(key)
+    rest = match.group(2) if match else ""
+    prefix = f"model.layers.{match.group(1)}." if match else ""
+    moe = _moe_prefix(family)
+    simple = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn.router.weight": f"{moe}.gate.weight",
+        "ffn.router.expert_bias": f"{moe}.gate.e_score_correction_bias",
+        "ffn.shared_expert.fc2.weight": "mlp.shared_experts.down_proj.weight",
+        **{f"ffn.{name}.weight": f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")},
+    }
+    if rest in simple:
+        return prefix + simple[rest]
+    names = _MLA_NAMES if config.attention == "mla" else _MHA_NAMES
+    attention = re.fullmatch(r"attn\.(\w+)\.weight", rest)
+    if attention and attention.group(1) in names:
+        return f"{prefix}self_attn.{names[attention.group(1)]}.weight"
+    raise ValueError(
+        f"{key} has no Hugging Face {family} counterpart: this model cannot be written as {family}."
+    )
+
+
+_STACKED = ("ffn.experts.fc1_weight", "ffn.experts.fc2_weight", "ffn.shared_expert.fc1.weight")
+
+
+def _special(rest: str) -> str | None:
+    """``rest`` when it is a tensor Hugging Face splits (experts, the shared expert's fc1), else None."""
+    return rest if rest in _STACKED else None
+
+
+def hf_state_dict(
+    get: Callable[[str], Tensor],
+    available: Iterable[str],
+    config: MoETransformerConfig,
+    family: str,
+    expected: Iterable[str],
+) -> dict[str, Tensor]:
+    """Our state dict (keys ``expected``) from a Hugging Face checkpoint read by ``get(name)``.
+
+    ``available`` are the checkpoint's names: one that maps to nothing is an error naming it,
+    except DeepSeek's multi-token-prediction layers (index ``>= num_layers``), skipped with a
+    warning because this model does not implement MTP.
+    """
+    available = set(available)
+    used: set[str] = set()
+
+    def take(name: str) -> Tensor:
+        # transformers 5 names Mixtral's MoE block "mlp" in memory (a state dict saved as is).
+        alias = name.replace(".block_sparse_moe.", ".mlp.")
+        if name not in available and alias in available:
+            name = alias
+        used.add(name)
+        return get(name)
+
+    state: dict[str, Tensor] = {}
+    for key in expected:
+        match = _LAYER_KEY.fullmatch(key)
+        special = _special(match.group(2)) if match else None
+        if special is None:
+            if key == "lm_head.weight" and config.tie_embeddings:
+                continue  # the embedding's tensor; transformers does not store it twice
+            state[key] = take(_hf_name(key, config, family))
+            continue
+        layer = f"model.layers.{match.group(1)}.{_moe_prefix(family)}"
+        if special == "ffn.shared_expert.fc1.weight":
+            state[key] = torch.cat([take(f"{layer}.shared_experts.gate_proj.weight"),
+                                    take(f"{layer}.shared_experts.up_proj.weight")])
+            continue
+        fused = next((f"model.layers.{match.group(1)}.{p}.experts" for p in (_moe_prefix(family), "mlp")
+                      if f"model.layers.{match.group(1)}.{p}.experts.gate_up_proj" in available), None)
+        if fused is not None:
+            state[key] = take(f"{fused}.{'gate_up_proj' if special.endswith('fc1_weight') else 'down_proj'}")
+            continue
+        gate, up, down = _expert_names(family)
+        experts = range(config.moe.num_experts)
+        if special.endswith("fc1_weight"):
+            state[key] = torch.stack([torch.cat([take(f"{layer}.experts.{e}.{gate}.weight"),
+                                                 take(f"{layer}.experts.{e}.{up}.weight")]) for e in experts])
+        else:
+            state[key] = torch.stack([take(f"{layer}.experts.{e}.{down}.weight") for e in experts])
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+        used.add("lm_head.weight")  # stored by some writers; the embedding's values either way
+    _check_leftovers(available - used, config, family)
+    return state
+
+
+def _check_leftovers(leftovers: set[str], config: MoETransformerConfig, family: str) -> None:
+    mtp = {k for k in leftovers if (m := _HF_LAYER_KEY.match(k)) and int(m.group(1)) >= config.num_layers}
+    if mtp and family == "deepseek_v3":
+        warnings.warn(
+            f"Skipped {len(mtp)} tensor(s) of DeepSeek-V3's multi-token-prediction module (model.layers."
+            f"{config.num_layers}.* and later): multi-token prediction is not implemented, the main model is "
+            "loaded in full.",
+            UserWarning,
+            stacklevel=4,
+        )
+        leftovers = leftovers - mtp
+    unexpected = sorted(k for k in leftovers if not _IGNORED.fullmatch(k))
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (f", ... ({len(unexpected)} in all)" if len(unexpected) > 8 else "")
+        raise ValueError(
+            f"The checkpoint holds tensors this {family} model has no place for: {shown}. Does config.json "
+            "describe these weights?"
+        )
+
+
+def hf_tensors(state: Mapping[str, Tensor], config: MoETransformerConfig, family: str) -> dict[str, Tensor]:
+    """The Hugging Face on-disk tensors (per-expert keys) of our state dict ``state``."""
+    tensors: dict[str, Tensor] = {}
+    moe_prefix = _moe_prefix(family)
+    for key, value in state.items():
+        if key == "lm_head.weight" and config.tie_embeddings:
+            continue
+        match = _LAYER_KEY.fullmatch(key)
+        special = _special(match.group(2)) if match else None
+        if special is None:
+            tensors[_hf_name(key, config, family)] = value
+            continue
+        layer = f"model.layers.{match.group(1)}.{moe_prefix}"
+        if special == "ffn.shared_expert.fc1.weight":
+            gate_rows, up_rows = value.chunk(2)
+            tensors[f"{layer}.shared_experts.gate_proj.weight"] = gate_rows
+            tensors[f"{layer}.shared_experts.up_proj.weight"] = up_rows
+            continue
+        gate, up, down = _expert_names(family)
+        for e, expert in enumerate(value):
+            if special.endswith("fc1_weight"):
+                gate_rows, up_rows = expert.chunk(2)
+                tensors[f"{layer}.experts.{e}.{gate}.weight"] = gate_rows
+                tensors[f"{layer}.experts.{e}.{up}.weight"] = up_rows
+            else:
+                tensors[f"{layer}.experts.{e}.{down}.weight"] = expert
+    if family == "deepseek_v3":  # transformers always has the score bias: a model without one has zeros
+        for index in config.moe_layers:
+            name = f"model.layers.{index}.mlp.gate.e_score_correction_bias"
+            tensors.setdefault(name, torch.zeros(config.moe.num_experts, dtype=torch.float32))
+    return tensors
