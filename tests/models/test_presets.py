@@ -1,12 +1,17 @@
-"""The model presets in ``examples/configs/models/`` parse, build on the meta device and have the
-published parameter counts.
+"""The model presets in ``examples/configs/models/`` parse, build on the meta device, have the
+published parameter counts and equal what ``from_pretrained`` reads from the published config.json.
 
 Parsing goes through jsonargparse, as the CLI does: ``--model preset.yaml`` with
 ``type=MoETransformerConfig``, so a preset is exactly what a user can pass on the command line.
+The published ``config.json`` of each model is written out below (the values of the model
+repositories named in each YAML's header; no download): the config mapper of
+``lightning_moe.models.hf`` must produce the preset from it, except for the training settings each
+preset takes from its paper where ``config.json`` carries another value or none (listed, with why).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,28 +19,88 @@ import torch
 from jsonargparse import ArgumentParser
 
 from lightning_moe import MoELayer
-from lightning_moe.models import DenseMLP, MoETransformer, MoETransformerConfig
+from lightning_moe.models import DenseMLP, MoETransformer, MoETransformerConfig, MultiLatentAttention
+from lightning_moe.models.hf import config_from_hf
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs" / "models"
 PRESETS = ("qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3_style")
 
-# (total, active) from the model cards / papers named in each YAML's header.
+# (total, active) from the model cards / papers named in each YAML's header. DeepSeek-V3's are
+# those of the main model: its published checkpoint adds a 14B multi-token-prediction module.
 PUBLISHED = {
     "qwen3_30b_a3b": (30.5e9, 3.3e9),
     "mixtral_8x7b": (46.7e9, 12.9e9),
     "olmoe_1b_7b": (6.9e9, 1.3e9),
+    "deepseek_v3_style": (671e9, 37e9),
 }
 # Totals are published to three significant digits: our count must be within 1% of them.
 REL_TOL = 0.01
-# The actives of Qwen3 and OLMoE are published to two significant digits, coarser than 1%:
-# exact counts 3,353,032,704 ("3.3B", truncated) and 1,281,955,840 ("1.3B", rounded) are 1.6% and
-# 1.4% away. They are checked to within one unit of the published last digit (0.1B) and pinned
-# exactly below (counts re-derived by hand from the Hugging Face config.json of each model).
-ACTIVE_DIGIT_TOL = 0.1e9
+# Some actives are published to two significant digits, coarser than 1%: exact counts
+# 3,353,032,704 ("3.3B", truncated), 1,282,017,280 ("1.3B", rounded) and 37,552,282,624 ("37B",
+# truncated) are 1.6%, 1.4% and 1.5% away. They are checked to within one unit of the published
+# last digit and pinned exactly below (counts re-derived by hand from the Hugging Face config.json
+# of each model; DeepSeek-V3's total equals the tensor shapes of its published checkpoint without
+# the MTP layer model.layers.61 and the fp8 scales).
+ACTIVE_DIGIT_TOL = {"qwen3_30b_a3b": 0.1e9, "olmoe_1b_7b": 0.1e9, "deepseek_v3_style": 1e9}
 EXACT = {
     "qwen3_30b_a3b": (30_532_122_624, 3_353_032_704),
     "mixtral_8x7b": (46_702_792_704, 12_879_925_248),
-    "olmoe_1b_7b": (6_919_100_416, 1_281_955_840),
+    "olmoe_1b_7b": (6_919_161_856, 1_282_017_280),
+    "deepseek_v3_style": (671_026_404_352, 37_552_282_624),
+}
+
+# The published config.json of each preset's model (keys transformers reads; token ids and
+# bookkeeping such as torch_dtype and transformers_version left out).
+PUBLISHED_CONFIG_JSON = {
+    "qwen3_30b_a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "attention_dropout": 0.0, "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+        "max_window_layers": 48, "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+        "use_sliding_window": False, "vocab_size": 151936,
+    },
+    "mixtral_8x7b": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "num_attention_heads": 32, "num_experts_per_tok": 2,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+        "tie_word_embeddings": False, "vocab_size": 32000,
+    },
+    "olmoe_1b_7b": {
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "attention_bias": False,
+        "attention_dropout": 0.0, "clip_qkv": None, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 1024, "max_position_embeddings": 4096,
+        "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+        "num_hidden_layers": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False, "vocab_size": 50304,
+    },
+    "deepseek_v3_style": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+        "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "ep_size": 1, "first_k_dense_replace": 3,
+        "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+        "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+        "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128,
+        "vocab_size": 129280,
+    },
+}
+# Training settings a preset takes from its paper: (top-level fields, moe fields), and why.
+FROM_THE_PAPER = {
+    # OLMoE paper §3: router z-loss 0.001; config.json has no z-loss field.
+    "olmoe_1b_7b": ({}, {"z_loss_coeff": 0.001}),
+    # DeepSeek-V3 Technical Report §4.2: init std 0.006 and balance factor 0.0001, where
+    # config.json says initializer_range 0.02 and aux_loss_alpha 0.001.
+    "deepseek_v3_style": ({"init_std": 0.006}, {"init_std": 0.006, "aux_loss_coeff": 0.0001}),
 }
 
 
@@ -69,7 +134,7 @@ def test_preset_matches_published_counts(name):
     total, active = config.num_parameters(), config.num_parameters(active=True)
     published_total, published_active = PUBLISHED[name]
     assert abs(total - published_total) <= REL_TOL * published_total, f"{total:,} vs {published_total:,.0f}"
-    assert abs(active - published_active) <= max(REL_TOL * published_active, ACTIVE_DIGIT_TOL), (
+    assert abs(active - published_active) <= max(REL_TOL * published_active, ACTIVE_DIGIT_TOL.get(name, 0)), (
         f"{active:,} vs {published_active:,.0f}"
     )
     assert (total, active) == EXACT[name]
@@ -82,11 +147,33 @@ def test_qwen3_non_embedding_count_matches_model_card():
     assert abs(non_embedding - 29.9e9) <= REL_TOL * 29.9e9
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_equals_what_from_pretrained_reads_from_the_published_config_json(name):
+    mapped, family = config_from_hf(PUBLISHED_CONFIG_JSON[name])
+    assert family == PUBLISHED_CONFIG_JSON[name]["model_type"]
+    top, moe = FROM_THE_PAPER.get(name, ({}, {}))
+    expected = dataclasses.replace(mapped, **top, moe=dataclasses.replace(mapped.moe, **moe))
+    preset = load_preset(name)
+    differences = {
+        f.name: (getattr(preset, f.name), getattr(expected, f.name))
+        for f in dataclasses.fields(MoETransformerConfig)
+        if getattr(preset, f.name) != getattr(expected, f.name)
+    }
+    assert not differences, differences
+
+
 def test_deepseek_v3_style_layout():
     config = load_preset("deepseek_v3_style")
     assert config.moe_layers == list(range(3, 61))
     with torch.device("meta"):
         model = MoETransformer(config)
+    attention = model.layers[0].attn
+    assert isinstance(attention, MultiLatentAttention)
+    assert attention.q_down_proj.weight.shape == (1536, 7168)
+    assert attention.q_up_proj.weight.shape == (128 * 192, 1536)
+    assert attention.kv_down_proj.weight.shape == (512 + 64, 7168)
+    assert attention.kv_up_proj.weight.shape == (128 * 256, 512)
+    assert attention.o_proj.weight.shape == (7168, 128 * 128)
     assert all(isinstance(model.layers[i].ffn, DenseMLP) for i in range(3))
     assert model.layers[0].ffn.gate_proj.weight.shape == (18432, 7168)
     moe = model.layers[3].ffn
