@@ -70,7 +70,8 @@ OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_nor
 
 _SUFFIXES = {  # the default rule of the names found by module name (reference model names)
     "attn_norm": ("attn_norm",),
-    "qkv_linear": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+    # Multi-head latent attention reads the block input through q_proj (or q_down_proj) and kv_down_proj.
+    "qkv_linear": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.q_down_proj", "attn.kv_down_proj"),
     "core_attn": ("attn.core_attn",),
     "attn_proj": ("attn.o_proj",),
     "mlp_norm": ("ffn_norm",),
@@ -82,7 +83,7 @@ the expert names are found by type."""
 
 OFFLOAD_DEFAULT_TARGETS = {
     "attn_norm": "modules named attn_norm",
-    "qkv_linear": "the q_proj / k_proj / v_proj of modules named attn",
+    "qkv_linear": "the q_proj / k_proj / v_proj (MLA: q_proj or q_down_proj, kv_down_proj) of modules named attn",
     "core_attn": "modules named core_attn inside modules named attn",
     "attn_proj": "modules named o_proj inside modules named attn",
     "mlp_norm": "modules named ffn_norm",

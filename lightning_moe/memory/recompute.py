@@ -14,7 +14,7 @@ name                modules (reference model names)             how
 ``shared_experts``  ``MoELayer.shared_expert``                  standard checkpoint
 ``router``          ``MoELayer.router``                         standard checkpoint
 ``core_attn``       ``*.attn.core_attn`` (``CoreAttention``)    standard checkpoint
-``attention``       ``*.attn`` (``Attention``)                  standard checkpoint
+``attention``       ``*.attn`` (``Attention``, MLA)             standard checkpoint
 ``moe``             every ``MoELayer`` (dispatch included)      standard checkpoint
 ==================  ==========================================  ====================================
 
@@ -70,6 +70,7 @@ from lightning_moe.memory.handles import (
 )
 from lightning_moe.memory.saved_tensors import NOT_HANDLED, chained_saved_tensors_hooks, storage_of
 from lightning_moe.models.attention import Attention, CoreAttention
+from lightning_moe.models.mla import MultiLatentAttention
 
 __all__ = [
     "RECOMPUTE_DEFAULT_TARGETS",
@@ -95,7 +96,7 @@ RECOMPUTE_DEFAULT_TARGETS = {
     "shared_experts": "the shared_expert of MoELayers built with shared_expert_ffn_hidden_size",
     "router": "lightning_moe TopKRouter modules (MoELayer.router)",
     "core_attn": "lightning_moe.models.CoreAttention modules",
-    "attention": "lightning_moe.models.Attention modules",
+    "attention": "lightning_moe.models.Attention and MultiLatentAttention modules",
     "moe": "lightning_moe.MoELayer modules",
 }
 """What each name matches without ``targets`` (the text of the unmatched-name warning)."""
@@ -391,7 +392,7 @@ _TYPES = {
     "moe_act": GroupedExperts,
     "router": TopKRouter,
     "core_attn": CoreAttention,
-    "attention": Attention,
+    "attention": (Attention, MultiLatentAttention),
     "moe": MoELayer,
 }
 

@@ -96,7 +96,7 @@ def test_recompute_defaults_run_and_unmatched_names_warn_once_with_what_they_mat
     (message,) = unmatched_warnings(messages, "SelectiveRecompute")
     assert "['layernorm', 'attention', 'core_attn'] matched no module of UserLM" in message, message
     assert "'layernorm': norms named attn_norm / ffn_norm" in message, message
-    assert "'attention': lightning_moe.models.Attention modules" in message, message
+    assert "'attention': lightning_moe.models.Attention and MultiLatentAttention modules" in message, message
     assert "'core_attn': lightning_moe.models.CoreAttention modules" in message, message
     assert "targets={'layernorm': [...], 'attention': [...], 'core_attn': [...]}" in message, message
     assert "moe_act" not in message.split("matched no module")[0]  # found: the experts of both MoELayers
@@ -104,7 +104,7 @@ def test_recompute_defaults_run_and_unmatched_names_warn_once_with_what_they_mat
 
 def test_recompute_strict_raises_for_unmatched_names():
     with pytest.raises(ValueError, match=r"SelectiveRecompute: \['attention'\] matched no module of UserLM.*"
-                                         r"'attention': lightning_moe\.models\.Attention modules"):
+                                         r"'attention': lightning_moe\.models\.Attention and MultiLatentAttention modules"):
         fit_user([SelectiveRecompute(modules=["moe_act", "attention"], strict=True)])
 
 
@@ -179,7 +179,7 @@ def test_offload_defaults_run_and_unmatched_names_warn_once_with_what_they_match
     (message,) = unmatched_warnings(messages, "ActivationOffload")
     assert "['attn_norm', 'qkv_linear', 'core_attn', 'mlp_norm'] matched no module of UserLM" in message, message
     assert "'attn_norm': modules named attn_norm" in message, message
-    assert "'qkv_linear': the q_proj / k_proj / v_proj of modules named attn" in message, message
+    assert "'qkv_linear': the q_proj / k_proj / v_proj (MLA: q_proj or q_down_proj, kv_down_proj) of modules named attn" in message, message
     assert "'core_attn': modules named core_attn inside modules named attn" in message, message
     assert "'mlp_norm': modules named ffn_norm" in message, message
     assert "targets={'attn_norm': [...], 'qkv_linear': [...], 'core_attn': [...], 'mlp_norm': [...]}" in message

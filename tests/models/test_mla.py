@@ -300,3 +300,25 @@ def test_tensor_parallel_two_ranks_equals_one(name, tmp_path):
         assert result["placements"] == EXPECTED_PLACEMENTS[name], rank
         failures = {key: err for key, err in result["errors"].items() if not err <= FP32_TOL}
         assert not failures, f"rank {rank}: {failures}"
+
+
+@pytest.mark.parametrize(("kind", "names"), [("recompute", ["attention"]), ("offload", ["qkv_linear", "core_attn"])])
+def test_mla_blocks_are_found_by_recompute_and_offload_and_train_alike(kind, names):
+    """``attention`` recompute and ``qkv_linear`` offload reach MLA's modules; outputs and gradients unchanged."""
+    from lightning_moe.memory import apply_activation_offload, apply_selective_recompute
+
+    torch.manual_seed(0)
+    model = MoETransformer(mla_config())
+    tokens = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(tokens).float().pow(2).mean().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    if kind == "recompute":
+        handle = apply_selective_recompute(model, names, strict=True)
+    else:
+        handle = apply_activation_offload(model, names, min_tensor_bytes=0, strict=True)
+    matched = handle.modules["attention" if kind == "recompute" else "qkv_linear"]
+    assert len(matched) == model.config.num_layers, matched  # one per MLA block (strict=True refuses none)
+    model(tokens).float().pow(2).mean().backward()
+    for name, grad in want.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-6, atol=1e-7)
