@@ -10,6 +10,7 @@ Every configuration is also checked to give the same loss and gradients as ``non
     python benchmarks/memory.py --output memory.md    # also as markdown
     python benchmarks/memory.py --rss                 # plus peak RSS of a training step per config
     python benchmarks/memory.py --grad-sync           # gradient bytes of a backward + reduction step
+    python benchmarks/memory.py --sharding            # per-rank state bytes per sharding strategy (sharding_memory.py)
 
 Predictions come from the design (docs/numerics.md §13): ``moe_act`` recompute drops
 the activation output, ``N x F x 4`` bytes per layer (``K x F x 4`` per token, ``N = T x K``); the
@@ -400,8 +401,21 @@ def main() -> None:
     parser.add_argument("--rss", action="store_true", help="peak RSS growth of a step per config (subprocesses)")
     parser.add_argument("--grad-sync", action="store_true",
                         help="gradient bytes of a backward + reduction step instead (module docstring)")
+    parser.add_argument("--sharding", action="store_true",
+                        help="per-rank bytes of parameters, gradients and AdamW state per sharding strategy instead")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.sharding:
+        from sharding_memory import __doc__ as sharding_doc
+        from sharding_memory import sharding_table
+
+        table = sharding_table()
+        print(table)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(f"# Sharded data parallelism: per-rank bytes\n\n`python benchmarks/memory.py --sharding` "
+                        f"(torch {torch.__version__})\n\n{sharding_doc}\n{table}\n")
+        return
     torch.set_num_threads(args.threads)
     set_cpu_gemm_backend("aten")  # unpadded expert rows: machine-independent counts (module docstring)
     sizes = Sizes()
