@@ -2,7 +2,7 @@
 
 Run by :func:`~lightning_moe.parallel.parallelize` after tensor and expert parallelism, when the
 sharding strategy is not ``"NO_SHARD"``. Parameters, gradients and optimizer state are then split
-over the data-parallel ranks of their own mesh (docs/architecture.md §11):
+over the data-parallel ranks of their own mesh (docs/architecture.md §10):
 
 * routed experts (each EP rank's local experts) over the expert-data-parallel group ``edp``, one
   ``fully_shard`` unit per MoE layer's experts, sharded on the hidden dimension H (neither the

@@ -330,7 +330,7 @@ def test_flex_backends_are_chosen_and_refused_with_the_reason(fake_ctx, monkeypa
         make_dispatcher("alltoall", config, fake_ctx, flex_backend="nccl")
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # not importable, whatever is installed
     monkeypatch.setattr(deepep, "deep_ep_available", lambda: False)
-    with pytest.raises(ImportError, match=r"needs DeepEP.*'deepep' extra.*flex_backend='torch'"):
+    with pytest.raises(ImportError, match=r"needs DeepEP.*build github.com/deepseek-ai/DeepEP from source.*flex_backend='torch'"):
         make_dispatcher("flex", config, fake_ctx, flex_backend="deepep")
     layer = build_reference(config, seed=0)
     with pytest.raises(ImportError, match="deepep"):

@@ -40,9 +40,9 @@ from lightning_moe.parallel.dispatchers.ep_alltoall import ExpertParallelAllToAl
 __all__ = ["DeepEPFlexDispatcher", "DeepEPMetadata", "deep_ep_available", "deepep_problems", "import_deep_ep"]
 
 _INSTALL_HINT = (
-    "flex_backend='deepep' needs DeepEP's Python package deep_ep, which is not importable here. Install the "
-    "'deepep' extra (pip install 'lightning-moe[deepep]') or build deepseek-ai/DeepEP from source against "
-    "this CUDA and NVSHMEM; or use flex_backend='torch' (pure PyTorch, same results)."
+    "flex_backend='deepep' needs DeepEP's Python package deep_ep, which is not importable here. DeepEP is not "
+    "published on PyPI by its authors: build github.com/deepseek-ai/DeepEP from source against this CUDA and "
+    "NVSHMEM (its README), or use flex_backend='torch' (pure PyTorch, same results; 'auto' picks it)."
 )
 _SUPPORTED_DEVICE_TYPES = ("cuda",)
 _TRANSFER_DTYPE = torch.bfloat16
