@@ -118,20 +118,23 @@ def rotary_cos_sin(
     theta: float,
     device: torch.device | str | None = None,
     scaling: RopeScaling | None = None,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Rotary tables for positions ``0 .. seq_len-1``: ``(cos, sin)``, each fp32 ``[seq_len, head_dim]``.
 
     Frequency ``theta ** (-2j / head_dim)`` for pair ``j`` (YaRN's blend with ``scaling``),
     repeated for both halves of the head; with ``scaling`` both tables are multiplied by its
-    attention factor.
+    attention factor. ``positions`` (``[seq_len]`` integers) gives the tokens' positions instead,
+    e.g. a context-parallel rank's chunks of a longer sequence.
     """
     if scaling is None:
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
         inv_freq = 1.0 / (theta**exponents)
     else:
         inv_freq = scaling.inv_freq(head_dim, theta, device)
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # [S, head_dim/2]
+    if positions is None:
+        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions.to(device=inv_freq.device, dtype=torch.float32), inv_freq)  # [S, head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)  # [S, head_dim]
     cos, sin = angles.cos(), angles.sin()
     if scaling is not None and (factor := scaling.cos_sin_factor()) != 1.0:

@@ -253,8 +253,14 @@ class MoETransformer(nn.Module):
                 values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
                 _write_full(weight, values)
 
-    def forward(self, tokens: Tensor, padding_mask: Tensor | None = None) -> Tensor:
-        """Next-token logits: ``tokens`` ``[B, S]`` int64 -> ``[B, S, V]``."""
+    def forward(
+        self, tokens: Tensor, padding_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """Next-token logits: ``tokens`` ``[B, S]`` int64 -> ``[B, S, V]``.
+
+        ``position_ids`` (``[S]`` integers, default ``0 .. S-1``) are the tokens' positions for the
+        rotary embedding; context parallelism passes each rank's chunks of the longer sequence.
+        """
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"tokens must be an integer tensor [B, S], got {tokens.dtype} {tuple(tokens.shape)}."
@@ -277,7 +283,11 @@ class MoETransformer(nn.Module):
                 f"got {tuple(padding_mask.shape)}."
             )
         config = self.config
-        cos, sin = rotary_cos_sin(seq, config.rotary_dim, config.rope_theta, tokens.device, config.rope_scaling)
+        if position_ids is not None and position_ids.shape != (seq,):
+            raise ValueError(f"position_ids must have shape [S] = [{seq}], got {tuple(position_ids.shape)}.")
+        cos, sin = rotary_cos_sin(
+            seq, config.rotary_dim, config.rope_theta, tokens.device, config.rope_scaling, positions=position_ids
+        )
         x = self.embed(tokens)  # [B, S, H]
         for layer in self.layers:
             x = layer(x, cos, sin, padding_mask)

@@ -3,6 +3,8 @@
 Model code is written for one device; this function turns it into its share of a parallel
 layout. Order (each step assumes the previous ones):
 
+0. context parallelism (:func:`~lightning_moe.parallel.context_parallel_apply.apply_context_parallel`)
+   when ``cp > 1``: attention of the reference model over the CP ranks' chunks of each sequence;
 1. tensor / sequence parallelism (:func:`~lightning_moe.parallel.tensor_parallel.apply_tensor_parallel`)
    of every reference :class:`~lightning_moe.models.MoETransformer` inside ``model``: attention
    and dense layers sharded over TP, MoE layers fed this rank's sequence slice. Other modules
@@ -26,6 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.context_parallel_apply import apply_context_parallel
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
 from lightning_moe.parallel.fully_shard import apply_fully_shard, check_fully_shard
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
@@ -40,6 +43,7 @@ def parallelize(
     sharding_strategy: str = "NO_SHARD",
     mp_policy: MixedPrecisionPolicy | None = None,
     flex_backend: str = "auto",
+    cp_comm_type: str = "p2p",
 ) -> nn.Module:
     """Apply the parallel layout of ``ctx`` to ``model`` in place and return it.
 
@@ -52,8 +56,10 @@ def parallelize(
         mp_policy: FSDP2 mixed precision of the sharded strategies (None: compute in the
             parameters' dtype).
         flex_backend: implementation of the ``flex`` dispatcher, ``"auto"``, ``"torch"`` or ``"deepep"``.
+        cp_comm_type: context-parallel K/V exchange, ``"p2p"`` (ring) or ``"all_gather"``.
     """
     check_fully_shard(model, ctx, sharding_strategy)
+    apply_context_parallel(model, ctx, cp_comm_type)
     for module in [m for m in model.modules() if isinstance(m, MoETransformer)]:
         apply_tensor_parallel(module, ctx)
     apply_expert_parallel(model, ctx, dispatcher=dispatcher, flex_backend=flex_backend)
