@@ -12,7 +12,7 @@ from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from strategies.test_sharding_parity import LOCAL_BATCH, dataset, model_config
-from strategies.toy import quiet_trainer_kwargs
+from strategies.toy import ToyModule, make_dataset, quiet_trainer_kwargs, train_loader
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -83,6 +83,16 @@ def _fit(sharding: str, meta: bool = False, callbacks=(), precision: str = "32-t
             "compute_dtypes": record.compute_dtypes, "param_dtypes": sharded_dtypes}
 
 
+def _fit_user_model(sharding: str) -> dict:
+    """A user's own module (``strategies.toy``: linear, two MoE layers, linear) with accumulation and clipping."""
+    model = ToyModule(load_balancing=["aux_loss"], aux_loss_coeff=1e-2)
+    strategy = MoEStrategy(expert_parallel_size=2, sharding_strategy=sharding)
+    trainer = L.Trainer(**quiet_trainer_kwargs(devices=WORLD, strategy=strategy, max_steps=STEPS),
+                        accumulate_grad_batches=2, gradient_clip_val=0.05)
+    trainer.fit(model, train_loader(make_dataset(WORLD * 2 * STEPS * 2)))
+    return {"losses": model.losses, "params": {k: _full(v) for k, v in model.state_dict().items()}}
+
+
 def _memory_callbacks():
     return [SelectiveRecompute(modules=("moe_act", "layernorm", "router")), ActivationOffload(min_tensor_bytes=0),
             LoadBalanceMonitor(log_every_n_steps=1)]
@@ -97,6 +107,8 @@ def _all(rank: int, world_size: int) -> dict:
         "callbacks-grad-op": _fit("SHARD_GRAD_OP", callbacks=_memory_callbacks()),
         "bf16-replicated": _fit("NO_SHARD", precision="bf16-mixed"),
         "bf16-full": _fit("FULL_SHARD", precision="bf16-mixed"),
+        "user-replicated": _fit_user_model("NO_SHARD"),
+        "user-full": _fit_user_model("FULL_SHARD"),
     }
 
 
@@ -131,6 +143,11 @@ def test_recompute_offload_and_load_monitor_combine_with_sharding(runs, run):
     for r in runs:
         _assert_same_run(r[run], r["callbacks-replicated"], label="vs NO_SHARD with callbacks")
         _assert_same_run(r[run], r["direct"], label="vs NO_SHARD without callbacks")  # the callbacks change memory, not the numbers
+
+
+def test_a_user_model_shards_per_moe_layer_and_trains_like_no_shard(runs):
+    for r in runs:
+        _assert_same_run(r["user-full"], r["user-replicated"], label="user model FULL_SHARD vs NO_SHARD")
 
 
 def test_bf16_mixed_gathers_bf16_and_keeps_fp32_master_weights(runs):
