@@ -159,6 +159,15 @@ class MoELanguageModel(L.LightningModule):
         # 0, still connected to the graph, for a micro-batch whose targets are all IGNORE_INDEX.
         return next_token_loss(logits, targets, IGNORE_INDEX)
 
+    def pipeline_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """One micro-batch's loss under pipeline parallelism: the last stage's logits against its targets.
+
+        The pipeline protocol of `MoEStrategy` (:mod:`lightning_moe.strategies.pipeline_step`): the
+        strategy then runs the schedule instead of :meth:`training_step` and logs ``train_loss``
+        and ``val_loss`` itself.
+        """
+        return self._loss(logits, targets)
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Mean next-token cross-entropy of this rank's micro-batch (0 if every target is ignored)."""
         inputs, targets = batch

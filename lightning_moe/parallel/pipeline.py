@@ -1,0 +1,300 @@
+"""Pipeline parallelism: a model's stages on this rank and a ``torch.distributed.pipelining`` schedule.
+
+No Lightning here: :class:`PipelineRunner` is what `MoEStrategy` drives inside its training step,
+and what a plain torchrun loop calls itself::
+
+    runner = PipelineRunner(model, ctx, "1F1B", num_microbatches=4, loss_fn=next_token_loss, device=device)
+    set_aux_loss_scale(model, 1.0)                   # the schedule scales the aux losses' gradients too
+    loss = runner.step(inputs, targets, grad_sync)   # every rank: the batch's mean loss
+    optimizer.step()
+
+The schedules are PyTorch's (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``ZBVZeroBubble``), none
+is written here. Semantics (docs/numerics.md, gradient accumulation):
+
+* each batch is split into ``num_microbatches`` equal micro-batches along dimension 0; the loss
+  function gives each one's mean loss and the schedule divides every gradient by the number of
+  micro-batches once, after the last backward (``scale_grads``), so the gradients equal those of
+  ``M``-step gradient accumulation of the same micro-batches. The MoE aux and z losses inject
+  their gradients inside the stages: their scale must be 1 (times strategy factors), because the
+  schedule's division applies to their gradients as well;
+* gradients are reduced over the data-parallel groups once after the schedule, not per
+  micro-batch (:class:`~lightning_moe.parallel.grad_sync.GradSync` is held in ``no_sync`` for the
+  schedule's backward passes, which a ``PipelineStage`` only does itself for DDP/FSDP modules);
+* the loss is computed on the rank holding the last stage and broadcast over the pipeline group,
+  so every rank returns the same mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import (  # private: see _forward_only
+    _add_send_recv,
+    _add_unshard_reshard,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
+from torch.distributed.tensor import DTensor
+
+from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.pipeline_split import (
+    StageModule,
+    layer_split,
+    pipeline_parts_of,
+    stage_indices,
+    stage_to_rank,
+    trim_to_stages,
+)
+
+__all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options"]
+
+
+def _forward_only(schedule: _PipelineScheduleRuntime) -> None:
+    """Keep only the forward actions of a multi-stage schedule's plan (its communication re-derived).
+
+    ``eval()`` of the V-shaped ZBV schedule in torch 2.13 still runs its backward actions and
+    fails ("can't steal_bwd_input if this stage doesn't have backward"). The forward actions in
+    their planned order stay deadlock-free: a forward depends only on earlier forwards. Lowered
+    as ``_prepare_schedule_with_comms`` does, minus its check that every micro-batch has a backward.
+    """
+    order = {
+        rank: _add_unshard_reshard(
+            [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
+        )
+        for rank, actions in schedule.pipeline_order.items()
+    }
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        order, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages
+    )
+
+PIPELINE_SCHEDULES = {
+    # name: (schedule class, virtual stages it needs (None: any >= 2), stage placement)
+    "GPipe": (ScheduleGPipe, 1, "loop"),
+    "1F1B": (Schedule1F1B, 1, "loop"),
+    "Interleaved1F1B": (ScheduleInterleaved1F1B, None, "loop"),
+    "ZBVZeroBubble": (ScheduleZBVZeroBubble, 2, "v"),
+}
+"""Values of ``pipeline_schedule`` and what each needs."""
+
+
+def check_pipeline_options(schedule: str, num_microbatches: int | None, virtual_stages: int | None) -> tuple[int, int]:
+    """Validate the pipeline options; returns ``(num_microbatches, virtual_stages)`` resolved.
+
+    ``num_microbatches`` None: 1. ``virtual_stages`` None: what the schedule needs (2 for the
+    interleaved and V schedules).
+    """
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline_schedule={schedule!r}; choose one of {list(PIPELINE_SCHEDULES)}.")
+    _, needed, _ = PIPELINE_SCHEDULES[schedule]
+    virtual = virtual_stages if virtual_stages is not None else (needed or 2)
+    if needed is not None and virtual != needed:
+        raise ValueError(
+            f"pipeline_schedule={schedule!r} runs exactly {needed} stage(s) per rank, got virtual_stages={virtual}; "
+            f"pass virtual_stages={needed} (or None), or use "
+            f"{'Interleaved1F1B' if needed == 1 else '1F1B'} for {'several stages' if needed == 1 else 'one stage'} "
+            "per rank."
+        )
+    if needed is None and virtual < 2:
+        raise ValueError(f"pipeline_schedule={schedule!r} interleaves stages: virtual_stages must be >= 2, got {virtual}.")
+    micro = 1 if num_microbatches is None else int(num_microbatches)
+    if micro < 1:
+        raise ValueError(f"num_microbatches={num_microbatches}: needs at least 1 micro-batch per batch.")
+    return micro, virtual
+
+
+def _probe(module: StageModule, x: Tensor) -> tuple[Tensor, tuple | None]:
+    """``module``'s output on ``x`` and the (mesh dim names, placements) it had before going local."""
+    seen: dict[str, tuple] = {}
+
+    def hook(_module, _inputs, output):
+        if isinstance(output, DTensor):
+            seen["layout"] = (tuple(output.device_mesh.mesh_dim_names or ()), tuple(output.placements))
+
+    blocks = list(module.blocks.values())
+    handle = blocks[-1].register_forward_hook(hook) if blocks and not module.is_last else None
+    try:
+        out = module(x)
+    finally:
+        if handle is not None:
+            handle.remove()
+    return out, seen.get("layout")
+
+
+def _example(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    # requires_grad on floating tensors: the stage derives from it that a gradient travels back.
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
+
+
+class PipelineRunner:
+    """This rank's pipeline stages of ``model`` and the schedule that runs them (see the module docstring).
+
+    Trims ``model`` in place to this rank's stages (global parameter names kept:
+    :func:`~lightning_moe.parallel.pipeline_split.trim_to_stages`): build optimizers and
+    gradient synchronisation afterwards.
+
+    Args:
+        model: the network to split (``MoETransformer`` or a model with ``pipeline_parts()``).
+        ctx: the parallel context; its ``pp`` group carries the stage-to-stage traffic.
+        schedule: a name of :data:`PIPELINE_SCHEDULES`.
+        num_microbatches: micro-batches per batch (the batch size must be a multiple).
+        loss_fn: ``(outputs, targets) -> mean loss`` of one micro-batch, on the last stage.
+        device: where the stages compute.
+        virtual_stages: stages per rank (None: what the schedule needs).
+        split: blocks per stage, in stage order (None: as even as possible).
+    """
+
+    def __init__(
+        self, model: nn.Module, ctx: ParallelContext, schedule: str, num_microbatches: int,
+        loss_fn: Callable[[Tensor, Tensor], Tensor], device: torch.device, virtual_stages: int | None = None,
+        split: Sequence[int] | None = None,
+    ) -> None:
+        self.num_microbatches, self.virtual_stages = check_pipeline_options(schedule, num_microbatches, virtual_stages)
+        self.schedule_name = schedule
+        self.group = ctx.group("pp")
+        self.pp = ctx.size("pp")
+        self.pp_rank = dist.get_rank(self.group)
+        self.device = device
+        self.loss_fn = loss_fn
+        parts = pipeline_parts_of(model)
+        num_blocks = len(getattr(model, parts.blocks))
+        self.num_stages = self.pp * self.virtual_stages
+        counts = layer_split(num_blocks, self.num_stages, split)
+        starts = [sum(counts[:s]) for s in range(self.num_stages)]
+        self.style = PIPELINE_SCHEDULES[schedule][2]
+        self.stage_ids = stage_indices(self.pp_rank, self.pp, self.virtual_stages, self.style)
+        last = self.num_stages - 1
+        self.modules = [
+            StageModule(model, parts, list(range(starts[s], starts[s] + counts[s])), s == 0, s == last)
+            for s in self.stage_ids
+        ]
+        block_ids = {i for s in self.stage_ids for i in range(starts[s], starts[s] + counts[s])}
+        trim_to_stages(model, parts, block_ids, 0 in self.stage_ids, last in self.stage_ids)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = last in self.stage_ids
+        self._last_rank = dist.get_global_rank(self.group, stage_to_rank(last, self.pp, self.style))
+        self._schedules: dict[tuple, object] = {}
+        self._mesh = ctx.dense_mesh  # the hidden states' layout between stages is a dense one
+
+    def describe(self) -> str:
+        """One line: the schedule and which stages this rank holds."""
+        return (
+            f"pipeline {self.schedule_name}: {self.num_stages} stages over PP={self.pp}, rank {self.pp_rank} "
+            f"holds stages {self.stage_ids}, {self.num_microbatches} micro-batches per batch"
+        )
+
+    def _schedule(self, inputs: Tensor, train: bool):
+        # PipelineStage infers (and keeps) the shapes sent between stages at its first step: one
+        # schedule per micro-batch shape (a shorter last batch, validation batches of other sizes),
+        # and separate ones for training and forward-only evaluation.
+        key = (tuple(inputs.shape), inputs.dtype, train)
+        if key not in self._schedules:
+            metas = self._stage_metas(inputs)
+            stages = [
+                PipelineStage(module, s, self.num_stages, self.device, group=self.group,
+                              input_args=_example(*metas[s]), output_args=_example(*metas[s + 1]))
+                for module, s in zip(self.modules, self.stage_ids)
+            ]
+            cls = PIPELINE_SCHEDULES[self.schedule_name][0]
+            first = stages[0] if self.virtual_stages == 1 else stages
+            schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+            if not train and isinstance(schedule, _PipelineScheduleRuntime):
+                _forward_only(schedule)
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    @torch.no_grad()
+    def _stage_metas(self, inputs: Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of every stage boundary for one micro-batch of ``inputs`` (index s: stage s's input).
+
+        Given to each ``PipelineStage``, so it skips its own metadata inference, which runs a
+        training-mode forward on uninitialised tensors: that would add garbage to the routers'
+        expert-bias counts and global aux-loss statistics. Here each stage runs once, in stage order,
+        on zeros (the first on a real micro-batch), under ``no_grad`` and with its buffers restored
+        afterwards, so nothing a router counts survives; every rank of a stage's TP/EP groups runs it
+        at the same time (their collectives match). One object broadcast per stage over ``pp``.
+        """
+        micro = inputs[: inputs.shape[0] // self.num_microbatches]
+        metas = [(tuple(micro.shape), micro.dtype)]
+        for s in range(self.num_stages):
+            owner = stage_to_rank(s, self.pp, self.style)
+            meta = None
+            if owner == self.pp_rank:
+                module = self.modules[self.stage_ids.index(s)]
+                saved = [b.clone() for b in module.buffers()]
+                x = micro if s == 0 else torch.zeros(metas[s][0], dtype=metas[s][1], device=self.device)
+                out, layout = _probe(module, x)
+                for buffer, value in zip(module.buffers(), saved):
+                    buffer.copy_(value)
+                meta = (tuple(out.shape), out.dtype, layout)
+            if self.pp > 1:
+                box = [meta]
+                dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, owner), group=self.group,
+                                           device=self.device)
+                meta = box[0]
+            if s + 1 in self.stage_ids and meta[2] is not None:
+                names, placements = meta[2]
+                mesh = self._mesh[names[0] if len(names) == 1 else names]
+                self.modules[self.stage_ids.index(s + 1)].input_layout = (mesh, placements)
+            metas.append(meta[:2])
+        return metas
+
+    def _check(self, inputs: Tensor) -> None:
+        batch = inputs.shape[0]
+        if batch % self.num_microbatches:
+            raise ValueError(
+                f"A batch of {batch} samples does not split into num_microbatches={self.num_microbatches} equal "
+                "micro-batches; use a batch size that is a multiple of it (and drop_last=True for the last batch)."
+            )
+
+    def _run(self, inputs: Tensor, targets: Tensor, train: bool) -> Tensor:
+        self._check(inputs)
+        schedule = self._schedule(inputs, train)
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        losses: list[Tensor] = []
+        kwargs = {"target": target, "losses": losses if self.has_last else None}
+        if train:
+            schedule.step(*args, return_outputs=False, **kwargs)
+        else:
+            schedule.eval(*args, **kwargs)
+        if self.has_last:
+            loss = torch.stack([loss.detach().float() for loss in losses]).mean()
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.pp > 1:
+            dist.broadcast(loss, src=self._last_rank, group=self.group)
+        return loss
+
+    def step(self, inputs: Tensor, targets: Tensor, grad_sync=None) -> Tensor:
+        """Forward and backward of one batch; returns its mean loss (the same on every rank).
+
+        ``grad_sync`` (a :class:`~lightning_moe.parallel.grad_sync.GradSync`, optional) is armed
+        for the schedule's backward passes, held back from reducing until the schedule is done,
+        then finished: the gradients are reduced once. Gradients accumulate into ``param.grad``:
+        zero them before.
+        """
+        if grad_sync is None:
+            return self._run(inputs, targets, train=True)
+        grad_sync.begin_backward()
+        try:
+            with grad_sync.no_sync():
+                loss = self._run(inputs, targets, train=True)
+        finally:
+            grad_sync.end_backward()
+        grad_sync.finish()
+        return loss
+
+    @torch.no_grad()
+    def eval(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward only (the schedule's ``eval``); returns the batch's mean loss on every rank."""
+        return self._run(inputs, targets, train=False)

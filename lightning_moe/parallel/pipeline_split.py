@@ -1,0 +1,186 @@
+"""Splitting a model into pipeline stages by layer, and the protocol a model opts in through.
+
+A model is split into ``P * V`` stages (``P`` pipeline ranks, ``V`` virtual stages per rank): its
+ordered blocks are dealt out in contiguous runs, the first piece (the embedding) goes with the
+first stage and the last pieces (final norm, head) with the last stage, as Megatron's
+``PipelineParallelLayout`` does by default. Each rank keeps only its own stages' modules: the
+model is *trimmed in place* (the blocks' ``nn.ModuleList`` becomes an ``nn.ModuleDict`` keyed by
+the original indices, pieces of other stages become ``None``), so ``state_dict`` keys stay the
+global ones (``model.layers.5.ffn...``): a checkpoint of one pipeline layout loads into another,
+or into one process.
+
+Protocol (for models other than :class:`~lightning_moe.models.MoETransformer`, which is handled
+here from outside): the model defines ``pipeline_parts(self) -> PipelineParts``. Example::
+
+    def pipeline_parts(self):
+        return PipelineParts(
+            blocks="layers", first=("embed",), last=("norm", "head"),
+            embed=lambda inputs: self.embed(inputs),
+            block=lambda block, hidden: block(hidden),
+            head=lambda hidden: self.head(self.norm(hidden)),
+        )
+
+Between stages only one tensor travels (the hidden states), so blocks take and return one tensor
+(extra per-layer inputs, such as rotary tables, are recomputed from it in ``block``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_moe.models import MoETransformer
+from lightning_moe.models.rope import rotary_cos_sin
+
+__all__ = [
+    "PipelineParts", "StageModule", "layer_split", "pipeline_parts_of", "stage_indices", "stage_to_rank",
+    "trim_to_stages",
+]
+
+
+@dataclass(frozen=True)
+class PipelineParts:
+    """How a model splits into pipeline stages (see the module docstring).
+
+    Attributes:
+        blocks: name of the attribute holding the ordered blocks (an ``nn.ModuleList``).
+        first: attribute names of the modules only the first stage runs (the embedding).
+        last: attribute names of the modules only the last stage runs (final norm, head).
+        embed: ``inputs -> hidden``, on the first stage (uses only ``first``'s modules).
+        block: ``(block, hidden) -> hidden``, one block.
+        head: ``hidden -> outputs`` (e.g. logits), on the last stage (uses only ``last``'s modules).
+    """
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    embed: Callable[[Tensor], Tensor]
+    block: Callable[[nn.Module, Tensor], Tensor]
+    head: Callable[[Tensor], Tensor]
+
+
+def _transformer_parts(model: MoETransformer) -> PipelineParts:
+    config = model.config
+    if config.tie_embeddings:
+        raise ValueError(
+            "MoETransformer(tie_embeddings=True) cannot be split into pipeline stages: the embedding (first "
+            "stage) and the head (last stage) would share one weight on two ranks. Use tie_embeddings=False "
+            "with pipeline_parallel_size > 1."
+        )
+
+    def block(layer: nn.Module, hidden: Tensor) -> Tensor:
+        # The rotary tables depend only on the sequence length: recomputed per stage, not sent.
+        cos, sin = rotary_cos_sin(hidden.shape[1], config.rotary_dim, config.rope_theta, hidden.device,
+                                  config.rope_scaling)
+        return layer(hidden, cos, sin, None)
+
+    return PipelineParts(
+        blocks="layers", first=("embed",), last=("norm", "lm_head"),
+        embed=lambda tokens: model.embed(tokens), block=block, head=lambda hidden: model.lm_head(model.norm(hidden)),
+    )
+
+
+def pipeline_parts_of(model: nn.Module) -> PipelineParts:
+    """The :class:`PipelineParts` of ``model``: ``MoETransformer``'s, or the model's ``pipeline_parts()``."""
+    if isinstance(model, MoETransformer):
+        return _transformer_parts(model)
+    parts = getattr(model, "pipeline_parts", None)
+    if not callable(parts):
+        raise TypeError(
+            f"{type(model).__name__} cannot be split into pipeline stages: it is not a MoETransformer and "
+            "defines no pipeline_parts() method. Define pipeline_parts(self) -> "
+            "lightning_moe.parallel.pipeline_split.PipelineParts (its ordered blocks plus the first and last "
+            "pieces; see that module's docstring), or use pipeline_parallel_size=1."
+        )
+    result = parts()
+    if not isinstance(result, PipelineParts):
+        raise TypeError(f"{type(model).__name__}.pipeline_parts() returned {type(result).__name__}, not PipelineParts.")
+    if not isinstance(getattr(model, result.blocks, None), nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}.{result.blocks} (PipelineParts.blocks) is not an nn.ModuleList.")
+    return result
+
+
+def layer_split(num_blocks: int, num_stages: int, split: Sequence[int] | None = None) -> list[int]:
+    """Blocks per stage: ``split`` when given (checked), else as even as possible (earlier stages get more).
+
+    Raises ``ValueError`` when a stage would get no block or the counts do not add up.
+    """
+    if split is not None:
+        split = [int(n) for n in split]
+        if len(split) != num_stages or sum(split) != num_blocks or min(split) < 1:
+            raise ValueError(
+                f"pipeline_layer_split={split}: needs {num_stages} positive counts (pipeline_parallel_size x "
+                f"virtual_stages) summing to the model's {num_blocks} blocks."
+            )
+        return split
+    if num_blocks < num_stages:
+        raise ValueError(
+            f"The model has {num_blocks} blocks, fewer than its {num_stages} pipeline stages "
+            "(pipeline_parallel_size x virtual_stages); lower one of them."
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def stage_to_rank(stage: int, pp: int, style: str) -> int:
+    """The pipeline rank holding ``stage``: ``"loop"`` (stage ``s`` on ``s % pp``) or ``"v"`` (zig-zag)."""
+    lap, position = divmod(stage, pp)
+    if style == "v" and lap % 2 == 1:
+        return pp - 1 - position
+    return position
+
+
+def stage_indices(pp_rank: int, pp: int, virtual: int, style: str) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds, in increasing order."""
+    return [s for s in range(pp * virtual) if stage_to_rank(s, pp, style) == pp_rank]
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: (embedding on the first stage,) a run of blocks, (head on the last stage).
+
+    Holds references to the model's own modules (registered here too, so the stage's
+    ``parameters()`` are exactly its share; the model keeps them under their global names).
+    Only plain tensors cross a stage boundary: a DTensor output (tensor parallelism shards the
+    hidden states over the sequence) is sent as its local shard and wrapped again on the next
+    stage with :attr:`input_layout`, which the runner sets from the sending stage's layout.
+    """
+
+    def __init__(self, model: nn.Module, parts: PipelineParts, block_ids: list[int], is_first: bool, is_last: bool):
+        super().__init__()
+        self._parts = parts
+        self.is_first, self.is_last = is_first, is_last
+        self.input_layout: tuple[DeviceMesh, tuple] | None = None
+        """(mesh, placements) the received hidden states are a local shard of; None: plain tensors."""
+        blocks = getattr(model, parts.blocks)
+        self.blocks = nn.ModuleDict({str(i): blocks[str(i)] if isinstance(blocks, nn.ModuleDict) else blocks[i]
+                                     for i in block_ids})
+        self.pieces = nn.ModuleDict({
+            name: getattr(model, name) for name in (*(parts.first if is_first else ()), *(parts.last if is_last else ()))
+            if getattr(model, name, None) is not None
+        })
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Inputs (first stage) or hidden states -> hidden states, or outputs (last stage)."""
+        if self.is_first:
+            x = self._parts.embed(x)
+        elif self.input_layout is not None:
+            x = DTensor.from_local(x, *self.input_layout, run_check=False)
+        for block in self.blocks.values():
+            x = self._parts.block(block, x)
+        if self.is_last:
+            x = self._parts.head(x)
+        return x.to_local() if isinstance(x, DTensor) else x
+
+
+def trim_to_stages(model: nn.Module, parts: PipelineParts, block_ids: set[int], first: bool, last: bool) -> None:
+    """Drop from ``model`` every block and piece not in this rank's stages (global names kept)."""
+    blocks = getattr(model, parts.blocks)
+    if isinstance(blocks, nn.ModuleDict):
+        return  # trimmed already (a second fit)
+    setattr(model, parts.blocks, nn.ModuleDict({str(i): b for i, b in enumerate(blocks) if i in block_ids}))
+    for name in (*(() if first else parts.first), *(() if last else parts.last)):
+        setattr(model, name, None)
