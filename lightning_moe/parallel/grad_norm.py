@@ -12,8 +12,8 @@ shard it, and nowhere else:
   FSDP2 shards them there.
 
 Per-mesh sums are combined into one norm: a plain ``clip_grad_norm_`` over parameters of two meshes
-fails in torch. (Pipeline stages would add a sum over ``pp``; pipeline parallelism is not
-supported yet.)
+fails in torch. Pipeline stages hold distinct parameters: the per-stage totals are summed over ``pp``
+(a model whose stages shared a parameter, e.g. tied embeddings, is refused when it is split).
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext, norm_type: 
             if ctx.size(name) > 1:
                 dist.all_reduce(value, group=ctx.group(name))
         total = total + value
+    if ctx.size("pp") > 1:
+        dist.all_reduce(total, group=ctx.group("pp"))
     return total.sqrt()
 
 

@@ -59,6 +59,7 @@ from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
 from lightning_moe.strategies.options import check_strategy_options
+from lightning_moe.strategies.pipeline_step import PipelineDriver
 from lightning_moe.strategies.sharding import check_sharding_combination, make_grad_sync, sharding_mp_policy
 from lightning_moe.strategies.step_safeguards import StepSafeguards
 from lightning_moe.strategies.trainer_callbacks import add_expert_bias_updater, use_global_model_summary
@@ -75,7 +76,8 @@ class MoEStrategy(ParallelStrategy):
     Args:
         tensor_parallel_size: TP, attention and dense layers (Megatron ``tensor_model_parallel_size``).
         context_parallel_size: CP, sequence sharding of attention; the model shards its sequences.
-        pipeline_parallel_size: PP; only 1 is supported for now.
+        pipeline_parallel_size: PP, layers split into stages; ``pipeline_schedule``, ``num_microbatches``,
+            ``virtual_stages``, ``pipeline_layer_split``: see :class:`~lightning_moe.strategies.pipeline_step.PipelineDriver`.
         expert_parallel_size: EP, experts sharded over this many ranks (``expert_model_parallel_size``).
         expert_tensor_parallel_size: ETP, each expert's F dimension sharded; None = TP, as Megatron.
         dispatcher: token dispatcher, ``"alltoall"``, ``"allgather"`` or ``"flex"`` (README: choosing one).
@@ -120,6 +122,8 @@ class MoEStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite_grads: str = "raise",
+        pipeline_schedule: str = "1F1B", num_microbatches: int | None = None,
+        virtual_stages: int | None = None, pipeline_layer_split: list[int] | None = None,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -137,19 +141,18 @@ class MoEStrategy(ParallelStrategy):
             "tp": tensor_parallel_size, "cp": context_parallel_size, "pp": pipeline_parallel_size,
             "ep": expert_parallel_size, "etp": expert_tensor_parallel_size,
         }
-        self.order = order
-        self.dispatcher = dispatcher
-        self.flex_backend = flex_backend
+        self.order, self.dispatcher, self.flex_backend = order, dispatcher, flex_backend
         self.sharding_strategy = check_sharding_strategy(sharding_strategy)
         self.bucket_size_mb = bucket_size_mb
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._process_group_backend, self._timeout = process_group_backend, timeout
         self._context: ParallelContext | None = None
         self._device_mesh: DeviceMesh | None = None
         self._grad_sync: GradSync | ShardedGradSync | None = None
         self._safeguards = StepSafeguards(on_nonfinite_grads)
         self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint, verify_checkpoints=verify_checkpoints)
         self.num_nodes = 1
+        self._pipeline = PipelineDriver.create(pipeline_parallel_size, pipeline_schedule, num_microbatches,
+                                               virtual_stages, pipeline_layer_split)
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -286,6 +289,8 @@ class MoEStrategy(ParallelStrategy):
         materialize(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self._pipeline is not None:
+            self._pipeline.setup(self, trainer)  # trims the model to this rank's stages
         self._safeguards.setup(
             self.model, self.parallel_context, self.root_device, self._grad_scaler,
             detect_anomaly=getattr(trainer, "_detect_anomaly", False),
@@ -328,11 +333,15 @@ class MoEStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         """Check that the tensor-parallel ranks got the same batch, then run the module's step."""
         StepSafeguards.check_batch(args, kwargs, self.parallel_context)
+        if self._pipeline is not None:
+            return self._pipeline.training_step(self, *args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
         """As :meth:`training_step`: validation batches are split over TP ranks too."""
         StepSafeguards.check_batch(args, kwargs, self.parallel_context)
+        if self._pipeline is not None:
+            return self._pipeline.validation_step(self, *args, **kwargs)
         return super().validation_step(*args, **kwargs)
 
     # -- gradients ------------------------------------------------------------------------------
@@ -351,11 +360,8 @@ class MoEStrategy(ParallelStrategy):
         return self.block_backward_sync()
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's training backward, with the gradient-sync hooks armed for exactly its duration.
-
-        A backward run elsewhere (a callback, a validation step under ``enable_grad``) is then
-        neither reduced nor launched; see :class:`~lightning_moe.parallel.grad_sync.GradSync`.
-        """
+        """Lightning's training backward, with the gradient-sync hooks armed for exactly its duration: a backward
+        run elsewhere (a callback, a validation step) is neither reduced nor launched (see ``GradSync``)."""
         sync = self._grad_sync
         if sync is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -378,11 +384,8 @@ class MoEStrategy(ParallelStrategy):
             sync.finish()
 
     def finish_grad_sync(self) -> None:
-        """Reduce the gradients accumulated since the last reduction (idempotent).
-
-        Manual optimization needs no call: the strategy reduces right before ``optimizer.step()``
-        and before clipping. Call it to read reduced gradients earlier, e.g. to log them.
-        """
+        """Reduce the gradients accumulated since the last reduction (idempotent). Manual optimization needs
+        no call (the strategy reduces before ``optimizer.step()`` and clipping); call it to read them earlier."""
         if self._grad_sync is not None:
             self._grad_sync.finish()
 
@@ -420,12 +423,8 @@ class MoEStrategy(ParallelStrategy):
 
     def barrier(self, name: str | None = None) -> None:
         """Synchronise all ranks."""
-        if not dist.is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        if dist.is_initialized():  # NCCL needs the device; gloo takes none
+            dist.barrier(**({"device_ids": [self.root_device.index]} if dist.get_backend() == "nccl" else {}))
 
     def broadcast(self, obj, src: int = 0):
         """Broadcast a picklable object from ``src`` over the world."""
@@ -449,7 +448,8 @@ class MoEStrategy(ParallelStrategy):
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """Optimizer state keyed by parameter name, expert moments as global DTensors."""
-        return self.checkpointing.optimizer_state(optimizer)
+        state = self.checkpointing.optimizer_state(optimizer)  # under PP: every stage's names (collective)
+        return state if self._pipeline is None else self._pipeline.merge_param_groups(state, self.parallel_context)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Sharded directory (DCP shards + ``meta.pt``) written by every rank, or one file."""

@@ -14,12 +14,12 @@ def check_strategy_options(
     pipeline_parallel_size: int, context_parallel_size: int, dispatcher: str, start_method: str,
     flex_backend: str = "auto",
 ) -> None:
-    """Raise ``ValueError`` for an option `MoEStrategy` cannot honour (yet), saying what to use instead."""
-    if pipeline_parallel_size != 1:
-        raise ValueError(
-            f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not supported yet; "
-            "use pipeline_parallel_size=1 (fold the ranks into data or expert parallelism instead)."
-        )
+    """Raise ``ValueError`` for an option `MoEStrategy` cannot honour (yet), saying what to use instead.
+
+    The pipeline options are checked by :func:`~lightning_moe.parallel.pipeline.check_pipeline_options`.
+    """
+    if pipeline_parallel_size < 1:
+        raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size}: needs at least 1 stage.")
     if context_parallel_size != 1:
         raise ValueError(
             f"context_parallel_size={context_parallel_size}: context parallelism of attention is not "

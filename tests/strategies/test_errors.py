@@ -25,9 +25,20 @@ def test_other_multiprocessing_launchers_are_refused(start_method):
         MoEStrategy(start_method=start_method)
 
 
-def test_pipeline_parallel_is_refused():
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2: pipeline parallelism is not supported"):
-        MoEStrategy(pipeline_parallel_size=2)
+def test_pipeline_parallel_is_accepted_with_valid_options():
+    assert MoEStrategy(pipeline_parallel_size=2, pipeline_schedule="ZBVZeroBubble", num_microbatches=4).sizes["pp"] == 2
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size=0: needs at least 1 stage"),
+    ({"pipeline_schedule": "DualPipe"}, r"pipeline_schedule='DualPipe'; choose one of \['GPipe', '1F1B'"),
+    ({"pipeline_schedule": "ZBVZeroBubble", "virtual_stages": 3}, r"runs exactly 2 stage\(s\) per rank"),
+    ({"pipeline_schedule": "Interleaved1F1B", "virtual_stages": 1}, r"virtual_stages must be >= 2"),
+    ({"num_microbatches": 0}, r"num_microbatches=0: needs at least 1"),
+])
+def test_bad_pipeline_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MoEStrategy(**{"pipeline_parallel_size": 2, **kwargs})
 
 
 def test_unknown_dispatcher_is_refused():

@@ -1,0 +1,140 @@
+"""`PipelineDriver`: how `MoEStrategy` runs a pipeline schedule inside Lightning's training step.
+
+Lightning has no pipeline parallelism; as NeMo 2 did with Megatron's schedules, the strategy takes
+over the optimisation step's forward and backward:
+
+* at setup (before gradient sync and optimizers are made) the network is split into stages and
+  trimmed to this rank's (:class:`~lightning_moe.parallel.pipeline.PipelineRunner`), and
+  Lightning's own backward and ``zero_grad`` are switched off (``fit_loop._skip_backward``, the
+  switch Lightning's ``StochasticWeightAveraging`` uses);
+* ``training_step`` zeroes the gradients, sets the aux/z-loss gradient scale (1: the schedule
+  divides every gradient by the number of micro-batches), runs the schedule on the batch split in
+  micro-batches, reduces the gradients once, and logs the loss from the last stage, identical
+  on every rank, as ``train_loss``; the loop then clips (one global norm, over ``pp`` too) and
+  steps as usual;
+* ``validation_step`` runs the forward-only schedule and logs ``val_loss``.
+
+Protocol of the LightningModule: batches are ``(inputs, targets)``; it defines
+``pipeline_loss(outputs, targets) -> Tensor`` (one micro-batch's mean loss, on the last stage);
+the network to split is its one child that is a :class:`~lightning_moe.models.MoETransformer` or
+defines ``pipeline_parts()`` (:mod:`lightning_moe.parallel.pipeline_split`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_moe.models import MoETransformer
+from lightning_moe.parallel.pipeline import PipelineRunner, check_pipeline_options
+
+__all__ = ["PipelineDriver"]
+
+
+def _network(module: nn.Module) -> nn.Module:
+    found = [m for m in module.children() if isinstance(m, MoETransformer) or callable(getattr(m, "pipeline_parts", None))]
+    if len(found) != 1:
+        raise TypeError(
+            f"pipeline_parallel_size > 1 splits the LightningModule's network into stages, but "
+            f"{type(module).__name__} has {len(found)} children that are a MoETransformer or define "
+            "pipeline_parts() (it needs exactly one; see lightning_moe.parallel.pipeline_split)."
+        )
+    return found[0]
+
+
+class PipelineDriver:
+    """The Lightning side of pipeline parallelism for one strategy (see the module docstring).
+
+    Args:
+        schedule: ``MoEStrategy(pipeline_schedule=...)``: ``"1F1B"`` (default), ``"GPipe"``,
+            ``"Interleaved1F1B"`` (``virtual_stages >= 2``) or ``"ZBVZeroBubble"`` (zero bubble,
+            V-shaped: exactly 2 stages per rank, the first and last stage on PP rank 0).
+        num_microbatches: ``num_microbatches``: micro-batches each Lightning batch is split into
+            (the batch size must be a multiple; None: 1). Use it instead of ``accumulate_grad_batches``.
+        virtual_stages: ``virtual_stages``: stages per PP rank (None: what the schedule needs).
+        layer_split: ``pipeline_layer_split``: blocks per stage, in stage order (None: as even as
+            possible, earlier stages first; the embedding rides with stage 0, norm and head with the last).
+    """
+
+    @classmethod
+    def create(
+        cls, pipeline_parallel_size: int, schedule: str, num_microbatches: int | None, virtual_stages: int | None,
+        layer_split: Sequence[int] | None,
+    ) -> PipelineDriver | None:
+        """A driver for ``pipeline_parallel_size > 1`` (options checked now), None without PP."""
+        if pipeline_parallel_size == 1:
+            return None
+        return cls(schedule, num_microbatches, virtual_stages, layer_split)
+
+    def __init__(
+        self, schedule: str, num_microbatches: int | None, virtual_stages: int | None,
+        layer_split: Sequence[int] | None,
+    ) -> None:
+        self.num_microbatches, self.virtual_stages = check_pipeline_options(schedule, num_microbatches, virtual_stages)
+        self.schedule = schedule
+        self.layer_split = layer_split
+        self.runner: PipelineRunner | None = None
+
+    def setup(self, strategy: Any, trainer: Any) -> None:
+        """Refuse what PP cannot run, split and trim the network (once), switch off Lightning's backward."""
+        module = strategy.lightning_module
+        problems = []
+        if trainer.state.fn in ("test", "predict"):
+            problems.append(f"Trainer.{trainer.state.fn} (only fit and validate run the schedules)")
+        if not module.automatic_optimization:
+            problems.append("manual optimization (the schedule runs forward and backward itself)")
+        if trainer.accumulate_grad_batches != 1:
+            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (use num_microbatches: "
+                            "each batch is split into that many micro-batches)")
+        if strategy.sharding_strategy != "NO_SHARD":
+            problems.append(f"sharding_strategy={strategy.sharding_strategy!r} (use NO_SHARD)")
+        if strategy._grad_scaler is not None:
+            problems.append("precision='16-mixed' (its GradScaler would have to scale the loss inside the "
+                            "schedule; use 'bf16-mixed' or 32)")
+        if not callable(getattr(module, "pipeline_loss", None)):
+            problems.append(f"{type(module).__name__} without pipeline_loss(outputs, targets)")
+        if problems:
+            raise ValueError("pipeline_parallel_size > 1 does not support: " + "; ".join(problems) + ".")
+        if self.runner is None:
+            self.runner = PipelineRunner(
+                _network(module), strategy.parallel_context, self.schedule, self.num_microbatches,
+                module.pipeline_loss, strategy.root_device, self.virtual_stages, self.layer_split,
+            )
+        trainer.fit_loop._skip_backward = True  # the schedule runs the backward: Lightning must not
+
+    def training_step(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
+        """Zero the gradients, run the schedule on ``batch``, reduce once; returns (and logs) the loss."""
+        assert self.runner is not None
+        for optimizer in strategy.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        strategy._safeguards.before_backward(1, strategy.parallel_context, None)
+        inputs, targets = batch[0], batch[1]
+        with strategy.precision_plugin.train_step_context():
+            loss = self.runner.step(inputs, targets, strategy._grad_sync)
+        strategy.lightning_module.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @staticmethod
+    def merge_param_groups(state: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        """An optimizer state of :meth:`MoECheckpointing.optimizer_state` with every stage's parameter names.
+
+        Each stage's ranks name only their own parameters in the param groups; the checkpoint's
+        metadata (written by rank 0) must list the whole model's, so that a PP=1 run can check its
+        groups against it. Collective over ``pp``; the names are concatenated in PP-rank order.
+        """
+        gathered: list[Any] = [None] * ctx.size("pp")
+        dist.all_gather_object(gathered, state["param_groups"], group=ctx.group("pp"))
+        merged = [dict(group, params=[n for stage in gathered for n in stage[i]["params"]])
+                  for i, group in enumerate(state["param_groups"])]
+        return {**state, "param_groups": merged}
+
+    def validation_step(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
+        """The forward-only schedule; logs ``val_loss`` (the last stage's, on every rank)."""
+        assert self.runner is not None
+        with strategy.precision_plugin.val_step_context():
+            loss = self.runner.eval(batch[0], batch[1])
+        strategy.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
