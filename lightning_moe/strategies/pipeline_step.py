@@ -94,6 +94,9 @@ class PipelineDriver:
         if strategy._grad_scaler is not None:
             problems.append("precision='16-mixed' (its GradScaler would have to scale the loss inside the "
                             "schedule; use 'bf16-mixed' or 32)")
+        if not strategy.checkpointing.sharded:
+            problems.append("save_distributed_checkpoint=False (rank 0's file would hold its own stages' weights "
+                            "only; use the sharded checkpoints, or lightning-moe export for one file)")
         if not callable(getattr(module, "pipeline_loss", None)):
             problems.append(f"{type(module).__name__} without pipeline_loss(outputs, targets)")
         if problems:

@@ -90,6 +90,10 @@ def _pipeline_runs(rank: int, world_size: int) -> dict:
         fit(MoEStrategy(pipeline_parallel_size=2, num_microbatches=M), BATCH, 2)
     except ValueError as err:
         out["refusal"] = str(err)
+    try:
+        fit(MoEStrategy(pipeline_parallel_size=2, num_microbatches=M, save_distributed_checkpoint=False), BATCH, 1)
+    except ValueError as err:
+        out["consolidated refusal"] = str(err)
     return out
 
 
@@ -133,3 +137,4 @@ def test_expert_bias_and_weights_moved(runs):
 def test_accumulation_is_refused_under_pipeline_parallelism(runs):
     for result in runs[1]:
         assert "accumulate_grad_batches=2 (use num_microbatches" in result["refusal"]
+        assert "save_distributed_checkpoint=False (rank 0's file" in result["consolidated refusal"]
