@@ -21,6 +21,7 @@ from torchmetrics.text import Perplexity
 
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss
+from lightning_moe.parallel.context_parallel_apply import cp_token_mean
 
 __all__ = ["MoELanguageModel", "TokenMeanLoss", "check_batch", "optimizer_param_groups"]
 
@@ -172,9 +173,22 @@ class MoELanguageModel(L.LightningModule):
         """Mean next-token cross-entropy of this rank's micro-batch (0 if every target is ignored)."""
         inputs, targets = batch
         check_batch(inputs, targets, "training", batch_idx)
-        loss = self._loss(self(inputs), targets)
+        loss = self._training_loss(self(inputs), targets)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
+
+    def _training_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """:meth:`_loss`; under context parallelism this rank's share of the mean over every target of
+        the whole sequences (:func:`~lightning_moe.parallel.context_parallel_apply.cp_token_mean`):
+        the CP ranks hold different numbers of kept targets."""
+        strategy = self.trainer.strategy
+        ctx = strategy.parallel_context if hasattr(type(strategy), "parallel_context") else None
+        if ctx is None or ctx.size("cp") == 1:
+            return self._loss(logits, targets)
+        total = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return cp_token_mean(total, (targets != IGNORE_INDEX).sum(), ctx)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         """Validation loss and perplexity per target token, over every batch and rank."""

@@ -75,6 +75,7 @@ def move_materialized(model: nn.Module, device: torch.device) -> None:
 def prepare_model(
     model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str,
     sharding_strategy: str = "NO_SHARD", mp_policy: MixedPrecisionPolicy | None = None, flex_backend: str = "auto",
+    cp_comm_type: str = "p2p",
 ) -> dict[tuple[int, int], str]:
     """Move ``model`` to ``device``, start every rank from rank 0's state, then apply the layout.
 
@@ -84,13 +85,14 @@ def prepare_model(
     CPU tensors. Meta-device tensors are left for :func:`materialize`. On CPU the expert
     kernels' GEMM library is then chosen on rank 0 for every rank; returns those choices (see
     :func:`~lightning_moe.parallel.cpu_gemm_agreement.agree_on_cpu_gemm`), empty elsewhere.
-    ``sharding_strategy``, ``mp_policy`` and ``flex_backend`` go to :func:`~lightning_moe.parallel.parallelize`.
+    ``sharding_strategy``, ``mp_policy``, ``flex_backend`` and ``cp_comm_type`` go to
+    :func:`~lightning_moe.parallel.parallelize`.
     """
     move_materialized(model, device)
     broadcast_initial_state(model)
     parallelize(
         model, ctx, dispatcher=dispatcher, sharding_strategy=sharding_strategy, mp_policy=mp_policy,
-        flex_backend=flex_backend,
+        flex_backend=flex_backend, cp_comm_type=cp_comm_type,
     )
     return agree_on_cpu_gemm(model) if device.type == "cpu" else {}
 
@@ -98,6 +100,7 @@ def prepare_model(
 def prepare_model_once(
     model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str,
     sharding_strategy: str = "NO_SHARD", mp_policy: MixedPrecisionPolicy | None = None, flex_backend: str = "auto",
+    cp_comm_type: str = "p2p",
 ) -> dict[tuple[int, int], str]:
     """:func:`prepare_model` unless ``model`` already holds this layout (a second ``fit``).
 
@@ -119,7 +122,7 @@ def prepare_model_once(
             f"re-sharded in place to {sizes(*layout)}. Save a checkpoint and load it into a fresh "
             "module instead (checkpoints reshard across layouts)."
         )
-    choices = prepare_model(model, ctx, device, dispatcher, sharding_strategy, mp_policy, flex_backend)
+    choices = prepare_model(model, ctx, device, dispatcher, sharding_strategy, mp_policy, flex_backend, cp_comm_type)
     setattr(model, _LAYOUT_ATTR, layout)
     return choices
 

@@ -35,9 +35,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -49,12 +47,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context
+from lightning_moe.parallel.context_parallel_apply import shard_batch
 from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
+from lightning_moe.strategies.collectives import WorldCollectives
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
@@ -70,12 +70,14 @@ __all__ = ["MoEStrategy"]
 _LIGHTNING_MESH_NAMES = ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
 
 
-class MoEStrategy(ParallelStrategy):
+class MoEStrategy(WorldCollectives, ParallelStrategy):
     """Folded expert / tensor / data parallelism for MoE LightningModules (registered as ``"moe"``).
 
     Args:
         tensor_parallel_size: TP, attention and dense layers (Megatron ``tensor_model_parallel_size``).
-        context_parallel_size: CP, sequence sharding of attention; the model shards its sequences.
+        context_parallel_size: CP: each sequence sharded over CP ranks (chunks r and 2C-1-r) for the
+            reference model's attention; the strategy cuts every ``[B, S, ...]`` batch tensor.
+        cp_comm_type: the CP exchange of keys and values, ``"p2p"`` (ring) or ``"all_gather"``.
         pipeline_parallel_size: PP, layers split into stages; ``pipeline_schedule``, ``num_microbatches``,
             ``virtual_stages``, ``pipeline_layer_split``: see :class:`~lightning_moe.strategies.pipeline_step.PipelineDriver`.
         expert_parallel_size: EP, experts sharded over this many ranks (``expert_model_parallel_size``).
@@ -113,6 +115,7 @@ class MoEStrategy(ParallelStrategy):
         expert_tensor_parallel_size: int | None = None,
         dispatcher: str = "alltoall",
         flex_backend: str = "auto",
+        cp_comm_type: str = "p2p",
         sharding_strategy: str = "NO_SHARD",
         order: str = "tp-cp-ep-dp-pp",
         bucket_size_mb: float = 25.0,
@@ -136,12 +139,14 @@ class MoEStrategy(ParallelStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )
-        check_strategy_options(pipeline_parallel_size, context_parallel_size, dispatcher, start_method, flex_backend)
+        check_strategy_options(
+            pipeline_parallel_size, context_parallel_size, dispatcher, start_method, flex_backend, cp_comm_type
+        )
         self.sizes = {
             "tp": tensor_parallel_size, "cp": context_parallel_size, "pp": pipeline_parallel_size,
             "ep": expert_parallel_size, "etp": expert_tensor_parallel_size,
         }
-        self.order, self.dispatcher, self.flex_backend = order, dispatcher, flex_backend
+        self.order, self.dispatcher, self.flex_backend, self.cp_comm_type = order, dispatcher, flex_backend, cp_comm_type
         self.sharding_strategy = check_sharding_strategy(sharding_strategy)
         self.bucket_size_mb = bucket_size_mb
         self._process_group_backend, self._timeout = process_group_backend, timeout
@@ -280,6 +285,7 @@ class MoEStrategy(ParallelStrategy):
         gemm_choices = prepare_model_once(
             self.model, self.parallel_context, self.root_device, self.dispatcher, self.sharding_strategy,
             sharding_mp_policy(str(getattr(self.precision_plugin, "precision", ""))), self.flex_backend,
+            self.cp_comm_type,
         )
         if gemm_choices:
             rank_zero_info(
@@ -331,15 +337,18 @@ class MoEStrategy(ParallelStrategy):
     # -- steps ----------------------------------------------------------------------------------
 
     def training_step(self, *args: Any, **kwargs: Any):
-        """Check that the tensor-parallel ranks got the same batch, then run the module's step."""
+        """Check that the tensor-parallel ranks got the same batch, cut it to this rank's sequence
+        chunks under context parallelism, then run the module's step."""
         StepSafeguards.check_batch(args, kwargs, self.parallel_context)
+        args, kwargs = shard_batch((args, kwargs), self.parallel_context)
         if self._pipeline is not None:
             return self._pipeline.training_step(self, *args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
-        """As :meth:`training_step`: validation batches are split over TP ranks too."""
+        """As :meth:`training_step`: validation batches are split over TP and CP ranks too."""
         StepSafeguards.check_batch(args, kwargs, self.parallel_context)
+        args, kwargs = shard_batch((args, kwargs), self.parallel_context)
         if self._pipeline is not None:
             return self._pipeline.validation_step(self, *args, **kwargs)
         return super().validation_step(*args, **kwargs)
@@ -418,27 +427,6 @@ class MoEStrategy(ParallelStrategy):
 
     def _log_step_metric(self, name: str, value: float) -> None:
         self.lightning_module.log(name, value, on_step=True, on_epoch=False)
-
-    # -- collectives ----------------------------------------------------------------------------
-
-    def barrier(self, name: str | None = None) -> None:
-        """Synchronise all ranks."""
-        if dist.is_initialized():  # NCCL needs the device; gloo takes none
-            dist.barrier(**({"device_ids": [self.root_device.index]} if dist.get_backend() == "nccl" else {}))
-
-    def broadcast(self, obj, src: int = 0):
-        """Broadcast a picklable object from ``src`` over the world."""
-        if not dist.is_initialized():
-            return obj
-        objects = [obj]
-        dist.broadcast_object_list(objects, src, group=_group.WORLD)
-        return objects[0]
-
-    def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
-        """Reduce ``tensor`` over ``group`` (default: the world), e.g. for ``self.log(sync_dist=True)``."""
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # -- checkpoints ----------------------------------------------------------------------------
 

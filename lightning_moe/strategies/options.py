@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lightning_moe.parallel.context_parallel import CP_COMM_TYPES
 from lightning_moe.parallel.dispatchers import check_dispatcher
 
 __all__ = ["SUPPORTED_START_METHODS", "check_strategy_options"]
@@ -12,7 +13,7 @@ SUPPORTED_START_METHODS = ("popen",)
 
 def check_strategy_options(
     pipeline_parallel_size: int, context_parallel_size: int, dispatcher: str, start_method: str,
-    flex_backend: str = "auto",
+    flex_backend: str = "auto", cp_comm_type: str = "p2p",
 ) -> None:
     """Raise ``ValueError`` for an option `MoEStrategy` cannot honour (yet), saying what to use instead.
 
@@ -20,11 +21,15 @@ def check_strategy_options(
     """
     if pipeline_parallel_size < 1:
         raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size}: needs at least 1 stage.")
-    if context_parallel_size != 1:
+    if context_parallel_size < 1:
+        raise ValueError(f"context_parallel_size={context_parallel_size}: needs at least 1 rank.")
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
+    if context_parallel_size > 1 and pipeline_parallel_size > 1:
         raise ValueError(
-            f"context_parallel_size={context_parallel_size}: context parallelism of attention is not "
-            "supported yet (the ranks of a CP group would see the same tokens twice); use "
-            "context_parallel_size=1."
+            f"context_parallel_size={context_parallel_size} does not combine with pipeline_parallel_size="
+            f"{pipeline_parallel_size} yet (the pipeline stages run the transformer's pieces, not its "
+            "context-parallel forward); use one of the two."
         )
     check_dispatcher(dispatcher, flex_backend)
     if start_method not in SUPPORTED_START_METHODS:
