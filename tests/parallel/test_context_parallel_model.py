@@ -38,16 +38,21 @@ WEIGHT_TOL = 1e-4  # AdamW divides by sqrt(v): a near-zero gradient's fp32 noise
 
 LAYOUTS = {
     "cp2": (2, {"cp": 2}),
+    "cp2-mla": (2, {"cp": 2}),  # multi-head latent attention (DeepSeek-V3), interleaved rope
     "cp4": (4, {"cp": 4}),
     "cp2-ep2-folded": (4, {"cp": 2, "ep": 2}),
     "cp2-tp2": (4, {"cp": 2, "tp": 2, "etp": 1}),
 }
 
 
-def _config() -> MoETransformerConfig:
+def _config(mla: bool = False) -> MoETransformerConfig:
+    attention = dict(
+        attention="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        rope_interleaved=True,
+    ) if mla else dict(num_kv_heads=2, qk_norm=True)
     return MoETransformerConfig(
-        vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-        first_dense_layers=1, qk_norm=True, max_seq_len=SEQ,
+        vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64,
+        first_dense_layers=1, max_seq_len=SEQ, **attention,
         moe=MoEConfig(32, 16, 8, top_k=2, load_balancing=["seq_aux_loss"], aux_loss_coeff=1e-2),
     )
 
@@ -69,9 +74,9 @@ def _loss(logits, targets):
     return total, (targets != IGNORE).sum()
 
 
-def _run(rank: int, world: int, layout: dict, comm_type: str) -> dict:
+def _run(rank: int, world: int, layout: dict, comm_type: str, mla: bool) -> dict:
     torch.manual_seed(0)
-    reference = MoETransformer(_config())
+    reference = MoETransformer(_config(mla))
     model = copy.deepcopy(reference)
     ctx = build_parallel_context(ParallelDims(world, **layout), "cpu")
     parallelize(model, ctx, cp_comm_type=comm_type)
@@ -123,7 +128,7 @@ def _run(rank: int, world: int, layout: dict, comm_type: str) -> dict:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_context_parallel_training_equals_single_device(layout, comm_type, tmp_path):
     world, sizes = LAYOUTS[layout]
-    results = run_distributed(_run, world, sizes, comm_type, timeout_s=180, tmp_dir=tmp_path)
+    results = run_distributed(_run, world, sizes, comm_type, "mla" in layout, timeout_s=180, tmp_dir=tmp_path)
     failures = {
         f"rank {rank}: {key}": err for rank, errors in enumerate(results) for key, err in errors.items()
         if not err <= (WEIGHT_TOL if key.startswith("weight") else TOL)  # NaN fails too
