@@ -7,11 +7,13 @@ local queries over the whole sequence, by one of two exchanges of the keys and v
 (``cp_comm_type``):
 
 * ``"all_gather"``: every rank gathers all K/V chunks (backward: reduce-scatter of their
-  gradients) and attends with the mask ``key position <= query position``;
+  gradients) and attends with the mask ``key position <= query position`` in one
+  ``scaled_dot_product_attention`` call (the device's fused kernels, in the inputs' dtype);
 * ``"p2p"``: a ring. K/V blocks travel ``C - 1`` hops with ``batch_isend_irecv``; each step's
   partial attention and its log-sum-exp are merged online (the flash-attention merge), so no rank
   holds more than two K/V blocks at a time. The backward runs the ring in reverse through the
-  same differentiable hop.
+  same differentiable hop. Scores, softmax and merge are computed in fp32 by matmuls (fused
+  kernels do not return the differentiable log-sum-exp the merge needs).
 
 Masks are finite (``-1e30`` instead of ``-inf``) so that rows with no visible key in one block (a
 query chunk before a whole key block) merge to exact zeros instead of NaN. The collectives are
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -146,7 +149,7 @@ def context_parallel_attention(
         cp_comm_type: ``"p2p"`` (ring) or ``"all_gather"``.
         softmax_scale: multiplies ``q @ k^T``; None is ``D ** -0.5``.
 
-    Returns ``[B, H, S_local, Dv]`` in ``q``'s dtype. Computed in fp32 (scores, softmax, merge).
+    Returns ``[B, H, S_local, Dv]`` in ``q``'s dtype (``p2p`` computes in fp32, ``all_gather`` in SDPA).
     """
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
@@ -164,8 +167,10 @@ def context_parallel_attention(
         v_all = _AllGather.apply(v.unsqueeze(0), group)
         k_cat = torch.cat(list(k_all.unbind(0)), dim=2)
         v_cat = torch.cat(list(v_all.unbind(0)), dim=2)
-        out, _ = _partial_attention(q, k_cat, v_cat, q_pos, torch.cat(positions), scale)
-        return out.to(q.dtype)
+        # One attention over the whole sequence: the fused SDPA kernels (with a mask) where the device
+        # has them. Every query sees at least itself, so no row is fully masked.
+        visible = torch.cat(positions)[None, :] <= q_pos[:, None]
+        return F.scaled_dot_product_attention(q, k_cat, v_cat, attn_mask=visible, scale=scale)
     out, lse = _partial_attention(q, k, v, q_pos, q_pos, scale)
     kv = torch.stack([k, v]) if k.shape[-1] == v.shape[-1] else None
     k_block, v_block = k, v
