@@ -293,22 +293,27 @@ def test_fit_help_shows_model_data_and_strategy(tmp_path):
 
 @pytest.mark.slow
 def test_reference_model_help_shows_config_docstrings(tmp_path):
-    result = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel"], tmp_path)
+    result = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel",
+                   "--model.model.help", "MoETransformerConfig"], tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    # MoETransformerConfig field docstrings, expanded in place. ``moe`` is ``MoEConfig | None``, and
-    # jsonargparse shows the fields of an optional dataclass under its own ``--model.model.moe.help``
-    # (next test), not inline.
+    # MoETransformerConfig field docstrings. ``model`` is optional (``init_from`` may give the
+    # configuration instead) and ``moe`` is ``MoEConfig | None``: jsonargparse shows the fields of an
+    # optional dataclass under its own help (``--model.model.help``, ``--model.model.moe.help``).
     assert "--model.model.num_kv_heads" in out
     assert "Key/value heads for grouped-query attention" in out
     assert "--model.model.moe.help" in out
-    assert "--model.learning_rate" in out
+    module_help = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel"], tmp_path)
+    assert module_help.returncode == 0, module_help.stderr
+    for option in ("--model.learning_rate", "--model.init_from", "--model.model.help"):
+        assert option in module_help.stdout, option
 
 
 @pytest.mark.slow
 def test_moe_config_help_shows_field_docstrings(tmp_path):
     result = _run(
-        [sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel", "--model.model.moe.help"],
+        [sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel",
+         "--model.model.help", "MoETransformerConfig", "--model.model.moe.help"],
         tmp_path,
     )
     assert result.returncode == 0, result.stderr

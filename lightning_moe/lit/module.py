@@ -12,15 +12,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict
+from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.text import Perplexity
 
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss
+from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean
 
 __all__ = ["MoELanguageModel", "TokenMeanLoss", "check_batch", "optimizer_param_groups"]
@@ -96,6 +99,41 @@ class TokenMeanLoss(Metric):
         return self.loss_sum / self.num_targets
 
 
+def _resolve_config(
+    model: MoETransformerConfig | None, init_from: str | None, overrides: dict[str, Any] | None
+) -> tuple[MoETransformerConfig, str | None, dict[str, Any]]:
+    """``(config, family, token ids)``: the configuration given, or the one of ``init_from``'s
+    ``config.json`` with ``overrides``, its Hugging Face family and the ``config.json`` keys kept."""
+    if init_from is None:
+        if model is None:
+            raise ValueError(
+                "MoELanguageModel needs model (a MoETransformerConfig) or init_from (a Hugging Face model directory)."
+            )
+        if overrides:
+            raise ValueError("model_overrides applies to init_from's config.json; without init_from edit model instead.")
+        return model, None, {}
+    if model is not None:
+        raise ValueError(
+            f"MoELanguageModel got both model and init_from={init_from!r}: the configuration of init_from is its "
+            "config.json. Leave model out and put the fields to change in model_overrides."
+        )
+    from lightning_moe.models.hf import PASSTHROUGH_KEYS, pretrained_config
+    from lightning_moe.models.hf.io import read_config
+
+    config, family = pretrained_config(init_from, **(overrides or {}))
+    raw = read_config(init_from)
+    return config, family, {key: raw[key] for key in PASSTHROUGH_KEYS if key in raw}
+
+
+def _materialises_meta_models(trainer) -> bool:
+    """Whether ``trainer``'s strategy parallelises and materialises a meta-device model in its setup."""
+    if trainer is None:
+        return False
+    from lightning_moe.strategies import MoEStrategy  # the strategies import lightning_moe.lit's neighbours
+
+    return isinstance(trainer.strategy, MoEStrategy)
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Learning-rate multiplier: linear warm-up, then cosine decay to ``min_lr_ratio``."""
     if step < warmup_steps:
@@ -108,39 +146,110 @@ class MoELanguageModel(L.LightningModule):
     """Next-token prediction with a :class:`~lightning_moe.models.MoETransformer`.
 
     Args:
-        model: the transformer's configuration (a YAML mapping in the CLI).
+        model: the transformer's configuration (a YAML mapping in the CLI); leave it out with ``init_from``.
         learning_rate: peak AdamW learning rate.
         weight_decay: AdamW weight decay of the matrices.
         betas: AdamW betas.
         warmup_steps: linear warm-up steps.
         min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
+        init_from: a Hugging Face model directory (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3:
+            ``config.json`` + safetensors) to start from: the configuration is its ``config.json``
+            and training starts from its weights (see :meth:`load_pretrained_weights`).
+        model_overrides: with ``init_from``, fields of the configuration read from ``config.json``
+            to replace (training settings such as ``max_seq_len``; ``moe`` takes a mapping of
+            :class:`~lightning_moe.MoEConfig` fields, e.g. ``{"aux_loss_coeff": 0.01}``).
+
+    With ``init_from`` under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is
+    built on the meta device, parallelised and materialised by the strategy, and each rank then
+    reads only its own slices of the weights (:func:`~lightning_moe.parallel.hf_load.load_hf_weights`),
+    so no rank ever holds the whole model. The weights are read when the first loop starts (fit,
+    validate, test or predict), after Lightning restored a checkpoint: resuming with ``ckpt_path``
+    keeps the checkpoint's weights and reads nothing from ``init_from``.
     """
 
     def __init__(
         self,
-        model: MoETransformerConfig,
+        model: MoETransformerConfig = None,  # None with init_from; not Optional[...], so --help inlines the fields
         learning_rate: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
+        init_from: str | None = None,
+        model_overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.config = model
+        self.config, family, extra = _resolve_config(model, init_from, model_overrides)
+        self._hf_record = model_record(self.config, family, extra)
         # Plain containers only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({
-            "model": asdict(model), "learning_rate": learning_rate, "weight_decay": weight_decay,
-            "betas": list(betas), "warmup_steps": warmup_steps, "min_lr_ratio": min_lr_ratio,
+            "model": None if model is None else asdict(model), "learning_rate": learning_rate,
+            "weight_decay": weight_decay, "betas": list(betas), "warmup_steps": warmup_steps,
+            "min_lr_ratio": min_lr_ratio, "init_from": None if init_from is None else str(init_from),
+            "model_overrides": model_overrides,
         })
+        self.init_from = init_from
+        # Whether init_from's weights still have to be read (a restored checkpoint clears it).
+        self._init_pending = False
         self.model: MoETransformer | None = None
         self.val_loss = TokenMeanLoss()
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self._step_started: float | None = None
 
     def configure_model(self) -> None:
-        """Build the transformer (once; on the meta device under ``Trainer.init_module(empty_init=True)``)."""
-        if self.model is None:
+        """Build the transformer (once; on the meta device under ``Trainer.init_module(empty_init=True)``,
+        and with ``init_from`` under a strategy that materialises meta-device models)."""
+        if self.model is not None:
+            return
+        if self.init_from is not None and _materialises_meta_models(self._trainer):
+            with torch.device("meta"):
+                self.model = MoETransformer(self.config)
+        else:
             self.model = MoETransformer(self.config)
+        self._init_pending = self.init_from is not None
+
+    def load_pretrained_weights(self) -> None:
+        """Read ``init_from``'s weights into the transformer now: each rank its own slices of every
+        parameter, in place (the optimizer keeps its references). Called by the first loop's start
+        hook unless a checkpoint was restored; call it yourself to use the weights outside a
+        Trainer (after :meth:`configure_model`)."""
+        if self.init_from is None:
+            raise ValueError("load_pretrained_weights needs init_from (a Hugging Face model directory).")
+        if self.model is None:
+            self.configure_model()
+        from lightning_moe.parallel.hf_load import load_hf_weights  # safetensors: the hf extra
+
+        read = load_hf_weights(self.model, self.init_from)
+        self._init_pending = False
+        rank_zero_info(f"MoELanguageModel: weights read from {self.init_from} ({read / 2**20:.1f} MiB on rank 0)")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the transformer's configuration (and ``init_from``'s family) for ``lightning-moe export --format hf``."""
+        checkpoint[MODEL_CONFIG_KEY] = self._hf_record
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A restored checkpoint's weights win over ``init_from``'s."""
+        self._init_pending = False
+
+    def _load_pending_weights(self) -> None:
+        if self._init_pending:
+            self.load_pretrained_weights()
+
+    def on_train_start(self) -> None:
+        """Read ``init_from``'s weights unless a checkpoint was restored (or they were read already)."""
+        self._load_pending_weights()
+
+    def on_validation_start(self) -> None:
+        """As :meth:`on_train_start` (the sanity check and ``Trainer.validate`` start here)."""
+        self._load_pending_weights()
+
+    def on_test_start(self) -> None:
+        """As :meth:`on_train_start`."""
+        self._load_pending_weights()
+
+    def on_predict_start(self) -> None:
+        """As :meth:`on_train_start`."""
+        self._load_pending_weights()
 
     def setup(self, stage: str) -> None:
         """Check that the data's vocabulary fits the model's."""

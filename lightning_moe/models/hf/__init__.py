@@ -28,7 +28,10 @@ from lightning_moe.models.hf.config_map import FAMILIES, config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config, write_config, write_safetensors
 from lightning_moe.models.hf.weights import hf_state_dict, hf_tensors
 
-__all__ = ["FAMILIES", "config_from_hf", "config_to_hf", "infer_family", "load_pretrained", "save_pretrained"]
+__all__ = [
+    "FAMILIES", "PASSTHROUGH_KEYS", "config_from_hf", "config_to_hf", "infer_family", "load_pretrained", "pretrained_config",
+    "save_pretrained",
+]
 
 
 def _apply_overrides(config: MoETransformerConfig, overrides: dict[str, Any]) -> MoETransformerConfig:
@@ -43,6 +46,14 @@ def _apply_overrides(config: MoETransformerConfig, overrides: dict[str, Any]) ->
     if unknown:
         raise TypeError(f"Unknown MoETransformerConfig field(s) {unknown} in from_pretrained overrides.")
     return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def pretrained_config(path: str | os.PathLike, **overrides) -> tuple[MoETransformerConfig, str]:
+    """``(config, family)`` of the Hugging Face directory ``path``: its ``config.json`` mapped to a
+    :class:`MoETransformerConfig`, with ``overrides`` replacing fields (``moe`` may be a dict of
+    :class:`~lightning_moe.MoEConfig` fields), as :func:`load_pretrained` builds it. No weight is read."""
+    config, family = config_from_hf(read_config(path))
+    return _apply_overrides(config, dict(overrides)), family
 
 
 def _materialise_buffers(model: nn.Module) -> None:
@@ -67,8 +78,7 @@ def load_pretrained(
     if model_class is None:
         from lightning_moe.models.transformer import MoETransformer as model_class
     raw = read_config(path)
-    config, family = config_from_hf(raw)
-    config = _apply_overrides(config, dict(overrides))
+    config, family = pretrained_config(path, **overrides)
     with torch.device("meta"):
         model = model_class(config)
     _materialise_buffers(model)

@@ -22,7 +22,9 @@ from torch import Tensor
 
 from lightning_moe.models.config import MoETransformerConfig
 
-__all__ = ["hf_state_dict", "hf_tensors"]
+__all__ = [
+    "Source", "check_leftovers", "hf_sources", "hf_state_dict", "hf_tensors", "read_source", "source_names",
+]
 
 # Our attention parameter -> Hugging Face's (MHA names are the same; MLA as in DeepseekV3Attention).
 _MLA_NAMES = {
@@ -83,6 +85,88 @@ def _special(rest: str) -> str | None:
     return rest if rest in _STACKED else None
 
 
+Source = str | tuple
+"""Where one of our tensors lies in a Hugging Face checkpoint: a tensor name (same shape), or
+``("cat", dim, [sources])`` (the sources concatenated along ``dim``), or ``("stack", [sources])``
+(one source per index of a new dimension 0: the per-expert tensors)."""
+
+
+def source_names(source: Source) -> list[str]:
+    """Every checkpoint tensor name ``source`` reads."""
+    if isinstance(source, str):
+        return [source]
+    parts = source[2] if source[0] == "cat" else source[1]
+    return [name for part in parts for name in source_names(part)]
+
+
+def hf_sources(
+    available: Iterable[str], config: MoETransformerConfig, family: str, expected: Iterable[str]
+) -> dict[str, Source]:
+    """Where each of our state-dict keys ``expected`` lies among the checkpoint's names ``available``.
+
+    The tied head (``lm_head.weight`` with ``tie_embeddings``) is left out: it is the embedding's
+    tensor. Experts come from the per-expert tensors, or from ``transformers`` 5's fused
+    in-memory ``gate_up_proj`` / ``down_proj`` when the checkpoint holds those.
+    """
+    available = set(available)
+
+    def name_of(name: str) -> str:
+        # transformers 5 names Mixtral's MoE block "mlp" in memory (a state dict saved as is).
+        alias = name.replace(".block_sparse_moe.", ".mlp.")
+        return alias if name not in available and alias in available else name
+
+    sources: dict[str, Source] = {}
+    for key in expected:
+        match = _LAYER_KEY.fullmatch(key)
+        special = _special(match.group(2)) if match else None
+        if special is None:
+            if key == "lm_head.weight" and config.tie_embeddings:
+                continue  # the embedding's tensor; transformers does not store it twice
+            sources[key] = name_of(_hf_name(key, config, family))
+            continue
+        layer = f"model.layers.{match.group(1)}.{_moe_prefix(family)}"
+        if special == "ffn.shared_expert.fc1.weight":
+            sources[key] = ("cat", 0, [name_of(f"{layer}.shared_experts.gate_proj.weight"),
+                                       name_of(f"{layer}.shared_experts.up_proj.weight")])
+            continue
+        fused = next((f"model.layers.{match.group(1)}.{p}.experts" for p in (_moe_prefix(family), "mlp")
+                      if f"model.layers.{match.group(1)}.{p}.experts.gate_up_proj" in available), None)
+        if fused is not None:
+            sources[key] = f"{fused}.{'gate_up_proj' if special.endswith('fc1_weight') else 'down_proj'}"
+            continue
+        gate, up, down = _expert_names(family)
+        experts = range(config.moe.num_experts)
+        if special.endswith("fc1_weight"):
+            sources[key] = ("stack", [("cat", 0, [name_of(f"{layer}.experts.{e}.{gate}.weight"),
+                                                  name_of(f"{layer}.experts.{e}.{up}.weight")]) for e in experts])
+        else:
+            sources[key] = ("stack", [name_of(f"{layer}.experts.{e}.{down}.weight") for e in experts])
+    return sources
+
+
+def read_source(source: Source, get: Callable[[str], Tensor]) -> Tensor:
+    """The whole tensor ``source`` describes, read by ``get(name)``."""
+    if isinstance(source, str):
+        return get(source)
+    if source[0] == "cat":
+        return torch.cat([read_source(part, get) for part in source[2]], dim=source[1])
+    return torch.stack([read_source(part, get) for part in source[1]])
+
+
+def check_leftovers(
+    available: Iterable[str], sources: Mapping[str, Source], config: MoETransformerConfig, family: str
+) -> None:
+    """Raise ``ValueError`` naming the checkpoint tensors that none of ``sources`` reads.
+
+    DeepSeek's multi-token-prediction layers (index ``>= num_layers``) are skipped with a warning
+    (this model does not implement MTP); a stored tied head and rotary tables are ignored.
+    """
+    used = {name for source in sources.values() for name in source_names(source)}
+    if config.tie_embeddings:
+        used.add("lm_head.weight")  # stored by some writers; the embedding's values either way
+    _check_leftovers(set(available) - used, config, family)
+
+
 def hf_state_dict(
     get: Callable[[str], Tensor],
     available: Iterable[str],
@@ -97,46 +181,11 @@ def hf_state_dict(
     warning because this model does not implement MTP.
     """
     available = set(available)
-    used: set[str] = set()
-
-    def take(name: str) -> Tensor:
-        # transformers 5 names Mixtral's MoE block "mlp" in memory (a state dict saved as is).
-        alias = name.replace(".block_sparse_moe.", ".mlp.")
-        if name not in available and alias in available:
-            name = alias
-        used.add(name)
-        return get(name)
-
-    state: dict[str, Tensor] = {}
-    for key in expected:
-        match = _LAYER_KEY.fullmatch(key)
-        special = _special(match.group(2)) if match else None
-        if special is None:
-            if key == "lm_head.weight" and config.tie_embeddings:
-                continue  # the embedding's tensor; transformers does not store it twice
-            state[key] = take(_hf_name(key, config, family))
-            continue
-        layer = f"model.layers.{match.group(1)}.{_moe_prefix(family)}"
-        if special == "ffn.shared_expert.fc1.weight":
-            state[key] = torch.cat([take(f"{layer}.shared_experts.gate_proj.weight"),
-                                    take(f"{layer}.shared_experts.up_proj.weight")])
-            continue
-        fused = next((f"model.layers.{match.group(1)}.{p}.experts" for p in (_moe_prefix(family), "mlp")
-                      if f"model.layers.{match.group(1)}.{p}.experts.gate_up_proj" in available), None)
-        if fused is not None:
-            state[key] = take(f"{fused}.{'gate_up_proj' if special.endswith('fc1_weight') else 'down_proj'}")
-            continue
-        gate, up, down = _expert_names(family)
-        experts = range(config.moe.num_experts)
-        if special.endswith("fc1_weight"):
-            state[key] = torch.stack([torch.cat([take(f"{layer}.experts.{e}.{gate}.weight"),
-                                                 take(f"{layer}.experts.{e}.{up}.weight")]) for e in experts])
-        else:
-            state[key] = torch.stack([take(f"{layer}.experts.{e}.{down}.weight") for e in experts])
+    sources = hf_sources(available, config, family, expected)
+    state = {key: read_source(source, get) for key, source in sources.items()}
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
-        used.add("lm_head.weight")  # stored by some writers; the embedding's values either way
-    _check_leftovers(available - used, config, family)
+    check_leftovers(available, sources, config, family)
     return state
 
 
@@ -148,7 +197,7 @@ def _check_leftovers(leftovers: set[str], config: MoETransformerConfig, family: 
             f"{config.num_layers}.* and later): multi-token prediction is not implemented, the main model is "
             "loaded in full.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         leftovers = leftovers - mtp
     unexpected = sorted(k for k in leftovers if not _IGNORED.fullmatch(k))

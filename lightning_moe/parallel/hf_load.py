@@ -1,0 +1,184 @@
+"""`load_hf_weights`: a Hugging Face model directory into a parallelised model, each rank reading its slices.
+
+Run after :func:`~lightning_moe.parallel.parallelize` and materialisation (``MoELanguageModel(init_from=...)``
+calls it when training starts). For every parameter and persistent buffer of the model, this
+rank's block of the *global* tensor is worked out from how the layout holds it, and only that
+block is read from the safetensors files (``safe_open(...).get_slice``), so no rank ever holds
+the whole model:
+
+* a plain tensor (replicated): the whole tensor;
+* a DTensor (tensor parallelism, FSDP2's dense sharding over DP, both): the local shard
+  ``compute_local_shape_and_global_offset`` gives;
+* an expert tensor (:func:`~lightning_moe.parallel.expert_parallel.expert_shard`): this EP rank's
+  experts, each cut to its ETP block of F (a gated fc1 holds a block of the gate rows and one of
+  the up rows) and, under sharded data parallelism, to its EDP block of H.
+
+Hugging Face names map through :mod:`lightning_moe.models.hf.weights`: a stacked expert tensor reads
+only the local experts' per-expert tensors (or the slice of ``transformers`` 5's fused ones), the
+shared expert's fc1 its gate and up rows. The block is copied into the local tensor in place (the
+optimizer's references stay valid), cast to the parameter's dtype. Every parameter and buffer must
+be filled and every tensor of the directory used (DeepSeek's multi-token-prediction layers are
+skipped with a warning); the errors name the tensor. No communication: ranks read independently.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_moe.models.hf.config_map import config_from_hf
+from lightning_moe.models.hf.io import SafetensorsReader, read_config
+from lightning_moe.models.hf.weights import Source, check_leftovers, hf_sources
+from lightning_moe.parallel.expert_parallel import _ffn_block, expert_shard
+
+__all__ = ["load_hf_weights", "local_ranges"]
+
+Ranges = list[list[tuple[int, int]]]
+"""Per dimension, the (start, stop) ranges of the global tensor held locally, in local order."""
+
+
+def _sub_ranges(ranges: list[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """The global ranges of positions ``[start, stop)`` of the concatenation of ``ranges``."""
+    out, position = [], 0
+    for a, b in ranges:
+        lo, hi = max(start, position), min(stop, position + b - a)
+        if lo < hi:
+            out.append((a + lo - position, a + hi - position))
+        position += b - a
+    return out
+
+
+def _dtensor_ranges(tensor: DTensor, ranges: Ranges) -> Ranges:
+    """``ranges`` of the DTensor's global tensor narrowed to this rank's local shard of it."""
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return [_sub_ranges(r, o, o + s) for r, o, s in zip(ranges, offset, shape)]
+
+
+def local_ranges(tensor: Tensor) -> tuple[tuple[int, ...], Ranges]:
+    """``(global shape, ranges)``: the global tensor ``tensor`` is this rank's part of, and where.
+
+    See the module docstring; the ranges concatenated in each dimension give the local tensor.
+    """
+    spec = expert_shard(tensor)
+    if spec is None:
+        shape = tuple(tensor.shape)  # a DTensor's shape is the global one
+        ranges = [[(0, size)] for size in shape]
+        return shape, _dtensor_ranges(tensor, ranges) if isinstance(tensor, DTensor) else ranges
+    shape = spec.global_shape
+    ranges = [[(0, size)] for size in shape]
+    num_local = tensor.shape[0]  # the FSDP2 DTensor over EDP keeps the local experts whole
+    ranges[0] = [(spec.expert_offset, spec.expert_offset + num_local)]
+    if spec.ffn_dim is not None and spec.ffn_size > 1:
+        ranges[spec.ffn_dim] = _ffn_block(spec, shape[spec.ffn_dim])
+    if isinstance(tensor, DTensor):  # sharded data parallelism: this rank's block of H
+        ranges = _dtensor_ranges(tensor, ranges)
+    return shape, ranges
+
+
+class _SliceReader:
+    """Shapes and sliced reads of the :data:`~lightning_moe.models.hf.weights.Source` s of one directory."""
+
+    def __init__(self, reader: SafetensorsReader) -> None:
+        self.reader = reader
+        self.bytes_read = 0
+
+    def shape(self, source: Source) -> tuple[int, ...]:
+        if isinstance(source, str):
+            return tuple(self.reader.get_slice(source).get_shape())
+        if source[0] == "stack":
+            return (len(source[1]), *self.shape(source[1][0]))
+        dim, parts = source[1], source[2]
+        shapes = [self.shape(part) for part in parts]
+        return (*shapes[0][:dim], sum(s[dim] for s in shapes), *shapes[0][dim + 1 :])
+
+    def read(self, source: Source, ranges: Ranges) -> Tensor:
+        """The local tensor: every combination of ``ranges`` read and concatenated in order."""
+        for dim, pieces in enumerate(ranges):
+            if len(pieces) != 1:
+                parts = [self.read(source, [*ranges[:dim], [piece], *ranges[dim + 1 :]]) for piece in pieces]
+                return torch.cat(parts, dim=dim)
+        return self._read_box(source, [pieces[0] for pieces in ranges])
+
+    def _read_box(self, source: Source, box: list[tuple[int, int]]) -> Tensor:
+        if isinstance(source, str):
+            block = self.reader.get_slice(source)[tuple(slice(a, b) for a, b in box)]
+            self.bytes_read += block.numel() * block.element_size()
+            return block
+        if source[0] == "stack":
+            (a, b), rest = box[0], box[1:]
+            return torch.stack([self._read_box(source[1][e], rest) for e in range(a, b)])
+        dim, parts = source[1], source[2]
+        a, b = box[dim]
+        blocks, position = [], 0
+        for part in parts:
+            size = self.shape(part)[dim]
+            lo, hi = max(a, position), min(b, position + size)
+            if lo < hi:
+                blocks.append(self._read_box(part, [*box[:dim], (lo - position, hi - position), *box[dim + 1 :]]))
+            position += size
+        return torch.cat(blocks, dim=dim)
+
+
+def _persistent_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Every parameter (a tied one once) and persistent buffer of ``model``, by state-dict key."""
+    yield from model.named_parameters()
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buffer
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> int:
+    """Fill every weight of ``model`` (a :class:`~lightning_moe.models.MoETransformer`, parallelised
+    or not, materialised) with its slice of the Hugging Face directory ``path``; return the bytes read.
+
+    The model must have the architecture of the directory's ``config.json`` (its family's names
+    are read from it); a tensor whose global shape differs, a weight the directory lacks and a
+    tensor of the directory that no weight takes are errors naming them.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "moe_layers"):
+        raise TypeError(
+            f"load_hf_weights needs a lightning_moe MoETransformer (with .config), got {type(model).__name__}."
+        )
+    if any(t.is_meta for _, t in _persistent_tensors(model)):
+        raise RuntimeError(
+            "load_hf_weights writes into the model's tensors, but some are still on the meta device: "
+            "materialise the model first (MoEStrategy does so in its setup; else model.to_empty(device=...))."
+        )
+    _, family = config_from_hf(read_config(path))
+    tensors = dict(_persistent_tensors(model))
+    expected = list(tensors) + (["lm_head.weight"] if config.tie_embeddings and "lm_head.weight" not in tensors else [])
+    with SafetensorsReader(path) as files:
+        sources = hf_sources(files.keys(), config, family, expected)
+        check_leftovers(files.keys(), sources, config, family)
+        missing = sorted(set(tensors) - set(sources))
+        if missing:
+            raise ValueError(f"{path} has no tensor for {', '.join(missing[:8])} of the model.")
+        reader = _SliceReader(files)
+        for key, tensor in tensors.items():
+            shape, ranges = local_ranges(tensor)
+            stored = reader.shape(sources[key])
+            if stored != shape:
+                raise ValueError(
+                    f"{key}: the model's global shape is {shape} but {path} holds {stored} ({sources[key] if isinstance(sources[key], str) else 'assembled'}): "
+                    "the model was not built from this directory's config.json."
+                )
+            local = _local(tensor)
+            if local.numel() == 0:
+                continue  # an empty shard of an uneven split
+            block = reader.read(sources[key], ranges)
+            if block.shape != local.shape:
+                raise RuntimeError(f"{key}: read a block of shape {tuple(block.shape)} for a local shard of {tuple(local.shape)}.")
+            local.copy_(block)
+    return reader.bytes_read
