@@ -6,6 +6,8 @@
     lightning-moe fit --model.help MoELanguageModel            # the reference model's options
     lightning-moe fit --model.help MoELanguageModel --model.model.moe.help   # its MoE layers' options
     lightning-moe export CKPT OUT                              # a checkpoint's weights as one file
+    lightning-moe export CKPT OUT_DIR --format hf              # ... as a Hugging Face model directory
+    lightning-moe fit --config examples/configs/hf_finetune_tiny.yaml   # fine-tune a Hugging Face model
 
 A LightningCLI whose ``model:`` and ``data:`` are any LightningModule and LightningDataModule,
 named by ``class_path`` (``model: {class_path: my_project.MyModel, init_args: {...}}``); without a
@@ -26,6 +28,10 @@ resume with the same ``--trainer.logger.init_args.version`` or an explicit path.
 ``export`` (:mod:`lightning_moe.parallel.checkpoint_export`) writes the model's global state dict
 of a checkpoint of any layout, sharded or consolidated, as one ``torch.save`` file that loads with
 ``torch.load(weights_only=True)`` and ``load_state_dict(strict=True)``; it needs no model class.
+``export --format hf`` writes the reference model of such a checkpoint as a Hugging Face directory
+(``config.json`` + safetensors) that ``transformers`` loads
+(:mod:`lightning_moe.parallel.checkpoint_export_hf`). ``model: {init_from: DIR}`` starts training
+from a Hugging Face directory (:class:`~lightning_moe.lit.MoELanguageModel`).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_moe.strategies  # noqa: F401  (registers strategy="moe")
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
+from lightning_moe.parallel.checkpoint_export_hf import export_hf
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
 from lightning_moe.parallel.checkpoint_security import UnsafeCheckpointError
 from lightning_moe.parallel.layout_check import LayoutError, check_model_layout, meta_copy
@@ -51,7 +58,7 @@ DEFAULT_MODEL = "lightning_moe.lit.MoELanguageModel"
 """The ``model:`` class when the configuration names none."""
 DEFAULT_DATA = "lightning_moe.lit.TextDataModule"
 """The ``data:`` class when the configuration names none."""
-EXPORT_HELP = "Write a checkpoint's model weights (any layout) as one torch.save file."
+EXPORT_HELP = "Write a checkpoint's model weights (any layout) as one torch.save file or a Hugging Face directory."
 _PROG = "lightning-moe"
 # What a user can fix from the message alone: reported in one line, without a traceback.
 _EXPORT_ERRORS = (OSError, ValueError, RuntimeError, CheckpointIntegrityError, UnsafeCheckpointError)
@@ -69,7 +76,20 @@ def export_parser() -> ArgumentParser:
         ),
     )
     parser.add_argument("checkpoint", metavar="CKPT", type=str, help="The checkpoint directory or file.")
-    parser.add_argument("output", metavar="OUT", type=str, help="The file to write (written atomically).")
+    parser.add_argument(
+        "output", metavar="OUT", type=str,
+        help="The file (--format torch) or directory (--format hf) to write, atomically.",
+    )
+    parser.add_argument(
+        "--format", dest="format", choices=["torch", "hf"], default="torch",
+        help="torch: one torch.save file of the global state dict; hf: a Hugging Face directory (config.json + "
+        "safetensors) of a MoELanguageModel checkpoint, which transformers loads.",
+    )
+    parser.add_argument(
+        "--family", default=None, choices=["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"],
+        help="--format hf: the Hugging Face family (default: the init_from directory's, else inferred).",
+    )
+    parser.add_argument("--max-shard-size", dest="max_shard_size", default="5GB", help="--format hf: safetensors shard size.")
     parser.add_argument("--overwrite", action="store_true", help="Replace OUT if it exists (default: refuse).")
     parser.add_argument(
         "--no-verify", dest="no_verify", action="store_true",
@@ -83,8 +103,12 @@ def export_main(args: list[str]) -> ExportedCheckpoint:
     one-line message (usage errors with 2)."""
     options = export_parser().parse_args(args)
     try:
-        summary = export_checkpoint(options.checkpoint, options.output, overwrite=options.overwrite,
-                                    verify=not options.no_verify)
+        if options.format == "hf":
+            summary = export_hf(options.checkpoint, options.output, family=options.family, overwrite=options.overwrite,
+                                verify=not options.no_verify, max_shard_size=options.max_shard_size)
+        else:
+            summary = export_checkpoint(options.checkpoint, options.output, overwrite=options.overwrite,
+                                        verify=not options.no_verify)
     except _EXPORT_ERRORS as err:
         text = err.strerror if isinstance(err, OSError) and err.strerror else str(err)  # no "[Errno 2]"
         message = " ".join(text.split())  # one line, whatever the error's own layout

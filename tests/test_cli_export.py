@@ -133,6 +133,40 @@ def test_export_loads_strictly_into_the_single_device_model_with_equal_outputs(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt"]  # no temporary file left
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_export_format_hf_loads_in_transformers_with_equal_logits(trained, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+    out = tmp_path / "hf"
+    summary = cli_main(["export", str(trained["checkpoint"]), str(out), "--format", "hf"])
+    assert summary.kind == "sharded" and summary.verified and summary.output == out
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    # tiny_cpu.yaml's model (no q/k norm, softmax top-k) can only be Mixtral.
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf_model).__name__ == "MixtralForCausalLM"
+    with torch.no_grad():
+        logits = hf_model(input_ids=probe_tokens()).logits
+    for rank, result in enumerate(trained["ranks"]):
+        expected = result["logits"]
+        torch.testing.assert_close(logits, expected, rtol=0.0, atol=1e-5 * expected.abs().max().item(),
+                                   msg=lambda m, r=rank: f"{trained['layout']} rank {r}: {m}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary directory left
+    with pytest.raises(SystemExit):  # a non-empty directory needs --overwrite
+        cli_main(["export", str(trained["checkpoint"]), str(out), "--format", "hf"])
+    cli_main(["export", str(trained["checkpoint"]), str(out), "--format", "hf", "--overwrite"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_export_format_hf_refuses_a_checkpoint_without_a_model_config(tmp_path, capsys):
+    checkpoint = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"model.embed.weight": torch.zeros(4, 2)}, "hyper_parameters": {"lr": 1.0}}, checkpoint)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["export", str(checkpoint), str(tmp_path / "hf"), "--format", "hf"])
+    assert info.value.code == 1
+    assert "records no MoETransformer configuration" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_export_of_a_consolidated_file_keeps_only_the_model_state(tmp_path):
     model = reference_model()
     checkpoint = tmp_path / "consolidated.ckpt"

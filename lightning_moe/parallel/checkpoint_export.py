@@ -49,7 +49,7 @@ from lightning_moe.parallel.checkpoint_integrity import (
 )
 from lightning_moe.parallel.checkpoint_security import load_sharded, load_torch_file, read_sharded_metadata
 
-__all__ = ["ExportedCheckpoint", "export_checkpoint", "read_model_state"]
+__all__ = ["ExportedCheckpoint", "export_checkpoint", "read_checkpoint", "read_model_state"]
 
 MODEL_KEY = "state_dict"
 """Where Lightning keeps the model's state in a checkpoint (in a sharded one, the DCP prefix)."""
@@ -136,7 +136,7 @@ def _model_template(metadata: Any, source: Path) -> dict[str, Any]:
     return template
 
 
-def _read_sharded(path: Path, verify: bool) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
+def _read_sharded(path: Path, verify: bool) -> tuple[dict[str, Any], dict[str, Any] | None, bool, dict[str, Any]]:
     for name in (META_FILE, DCP_METADATA):
         if not (path / name).is_file():
             raise FileNotFoundError(
@@ -160,10 +160,10 @@ def _read_sharded(path: Path, verify: bool) -> tuple[dict[str, Any], dict[str, A
         # Loading in one process is the point here, not an accident DCP should warn about.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         load_sharded(template, path, metadata=metadata)
-    return template[MODEL_KEY], saved.get("layout"), verified
+    return template[MODEL_KEY], saved.get("layout"), verified, meta if isinstance(meta, dict) else {}
 
 
-def _read_consolidated(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def _read_consolidated(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     checkpoint = load_torch_file(path, weights_only=True)
     state = checkpoint.get(MODEL_KEY) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
@@ -173,13 +173,22 @@ def _read_consolidated(path: Path) -> tuple[dict[str, Any], dict[str, Any] | Non
             "it may already be an exported state dict."
         )
     saved = checkpoint.get(LAYOUT_KEY) or {}
-    return state, saved.get("layout") if isinstance(saved, dict) else None
+    extras = {k: v for k, v in checkpoint.items() if k != MODEL_KEY}
+    return state, saved.get("layout") if isinstance(saved, dict) else None, extras
 
 
 def read_model_state(checkpoint: str | os.PathLike, verify: bool = True) -> tuple[dict[str, Any], str, dict | None, bool]:
     """``(state_dict, kind, layout, verified)`` of ``checkpoint``: the model's global state dict
     (see the module docstring), ``"sharded"`` or ``"consolidated"``, the saving layout if
     recorded, and whether the checksums were verified. One process, no process group."""
+    return read_checkpoint(checkpoint, verify)[:4]
+
+
+def read_checkpoint(
+    checkpoint: str | os.PathLike, verify: bool = True
+) -> tuple[dict[str, Any], str, dict | None, bool, dict[str, Any]]:
+    """:func:`read_model_state` and, last, everything else the checkpoint holds but tensors
+    (Lightning's ``hyper_parameters``, the LightningModule's own entries), read with ``weights_only``."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(
             f"Exporting a checkpoint runs in one process, but this one is rank {dist.get_rank()} of a process "
@@ -190,10 +199,10 @@ def read_model_state(checkpoint: str | os.PathLike, verify: bool = True) -> tupl
     if not path.exists():
         raise _missing(path)
     if path.is_dir():
-        state, layout, verified = _read_sharded(path, verify)
-        return state, "sharded", layout, verified
-    state, layout = _read_consolidated(path)
-    return state, "consolidated", layout, False
+        state, layout, verified, extras = _read_sharded(path, verify)
+        return state, "sharded", layout, verified, extras
+    state, layout, extras = _read_consolidated(path)
+    return state, "consolidated", layout, False, extras
 
 
 def _check_output(output: Path, checkpoint: Path, overwrite: bool) -> None:
