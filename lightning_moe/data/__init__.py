@@ -1,4 +1,4 @@
-"""Byte-level text data with no download: tokenizer, text corpora and packed next-token datasets.
+"""Text data: byte tokenizer (no download) or a Hugging Face ``tokenizer.json``, corpora, packed datasets.
 
 Core code (docs/architecture.md §1): no ``lightning`` and no ``torch.distributed`` here; Lightning's
 ``DistributedSampler`` shards the map-style datasets over data-parallel replicas.
@@ -6,6 +6,9 @@ Core code (docs/architecture.md §1): no ``lightning`` and no ``torch.distribute
 >>> from lightning_moe.data import ByteTokenizer, build_datasets
 >>> train, val = build_datasets(None, seq_len=128, val_fraction=0.05, max_tokens=100_000)
 >>> inputs, targets = train[0]  # int64 [128] each; targets are inputs shifted by one
+
+:class:`HFTokenizer` reads a ``tokenizer.json`` (the ``hf`` extra); :func:`pretokenize` writes a
+corpus once as memory-mapped token files, which ``build_datasets`` then reads without tokenizing.
 """
 
 from lightning_moe.data.files import (
@@ -15,17 +18,23 @@ from lightning_moe.data.files import (
     stdlib_corpus,
     stdlib_dir,
 )
+from lightning_moe.data.hf_tokenizer import HFTokenizer
 from lightning_moe.data.text import PackedTokenDataset, Tokenizer, build_datasets
+from lightning_moe.data.token_files import is_token_directory, pretokenize, read_token_split
 from lightning_moe.data.tokenizer import ByteTokenizer
 
 __all__ = [
     "SPLIT_BUCKETS",
     "ByteTokenizer",
+    "HFTokenizer",
     "PackedTokenDataset",
     "TextFiles",
     "Tokenizer",
     "build_datasets",
+    "is_token_directory",
     "is_validation_document",
+    "pretokenize",
+    "read_token_split",
     "stdlib_corpus",
     "stdlib_dir",
 ]

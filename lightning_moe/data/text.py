@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lightning_moe.data.files import PathLike, TextFiles, stdlib_corpus, stdlib_dir
+from lightning_moe.data.token_files import is_token_directory, read_token_meta, read_token_split
 from lightning_moe.data.tokenizer import ByteTokenizer
 
 __all__ = ["PackedTokenDataset", "Tokenizer", "build_datasets"]
@@ -100,9 +102,28 @@ class PackedTokenDataset(Dataset[tuple[Tensor, Tensor]]):
     ) -> None:
         _check_positive_int("seq_len", seq_len)
         _check_positive_int("max_tokens", max_tokens, allow_none=True)
+        tokens, num_documents = _token_stream(documents, tokenizer, max_tokens)
+        self._init_stream(tokens, num_documents, seq_len, max_tokens)
+
+    @classmethod
+    def from_stream(
+        cls, tokens: Tensor, seq_len: int, num_documents: int, max_tokens: int | None = None
+    ) -> PackedTokenDataset:
+        """The dataset of an already packed stream ``tokens`` (1-D integers, EOS after each document),
+        e.g. a memory-mapped pre-tokenized file (:mod:`lightning_moe.data.token_files`): kept as
+        is (cut to ``max_tokens`` as a view), never copied or tokenized again."""
+        _check_positive_int("seq_len", seq_len)
+        _check_positive_int("max_tokens", max_tokens, allow_none=True)
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
+        dataset = cls.__new__(cls)
+        dataset._init_stream(tokens[:max_tokens] if max_tokens is not None else tokens, num_documents, seq_len, max_tokens)
+        return dataset
+
+    def _init_stream(self, tokens: Tensor, num_documents: int, seq_len: int, max_tokens: int | None) -> None:
         self.seq_len = seq_len
         self.max_tokens = max_tokens
-        self.tokens, self.num_documents = _token_stream(documents, tokenizer, max_tokens)
+        self.tokens, self.num_documents = tokens, num_documents
         sample_len = seq_len + 1
         if len(self.tokens) < sample_len:
             cap = f", capped at max_tokens={max_tokens}" if max_tokens is not None else ""
@@ -156,7 +177,10 @@ def build_datasets(
     Args:
         source: a file, a directory (files matching ``pattern``, recursively), a list of those
             (see :meth:`TextFiles.discover`), or ``None`` for the Python standard library's
-            sources (:func:`stdlib_corpus`; ``pattern`` is then ignored), which needs no download.
+            sources (:func:`stdlib_corpus`; ``pattern`` is then ignored), which needs no download;
+            or a directory written by :func:`~lightning_moe.data.token_files.pretokenize`, whose
+            memory-mapped token files are used as they are (``tokenizer`` and ``pattern`` ignored,
+            ``val_fraction`` must be the one it was written with).
         seq_len: tokens per sample.
         val_fraction: share of documents for validation, in ``[0, 1)``; see :meth:`TextFiles.split`.
             ``0`` gives no validation dataset (``None``).
@@ -171,9 +195,11 @@ def build_datasets(
     """
     _check_positive_int("seq_len", seq_len)
     _check_positive_int("max_tokens", max_tokens, allow_none=True)
-    tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
-    files = _stdlib_files() if source is None else TextFiles.discover(source, pattern)
-    train_files, val_files = files.split(val_fraction)
+    pretokenized = is_token_directory(source)
+    if not pretokenized:
+        tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+        files = _stdlib_files() if source is None else TextFiles.discover(source, pattern)
+        train_files, val_files = files.split(val_fraction)
 
     train_cap = val_cap = max_tokens
     if max_tokens is not None and val_fraction > 0:
@@ -187,9 +213,33 @@ def build_datasets(
                 f"max_tokens={max_tokens} is too small: validation takes {val_cap} tokens and training "
                 f"needs at least seq_len + 1 = {seq_len + 1}; use max_tokens >= {smallest}"
             )
+    if pretokenized:
+        return _token_datasets(Path(source), seq_len, val_fraction, train_cap, val_cap)
     train = _split_dataset("training", train_files, tokenizer, seq_len, train_cap)
     val = _split_dataset("validation", val_files, tokenizer, seq_len, val_cap) if val_fraction > 0 else None
     return train, val
+
+
+def _token_datasets(
+    source: Path, seq_len: int, val_fraction: float, train_cap: int | None, val_cap: int | None
+) -> tuple[PackedTokenDataset, PackedTokenDataset | None]:
+    """The datasets of a pre-tokenized directory: its memory-mapped streams, nothing tokenized."""
+    meta = read_token_meta(source)
+    if meta["val_fraction"] != val_fraction:
+        raise ValueError(
+            f"{source} was pre-tokenized with val_fraction={meta['val_fraction']}, not {val_fraction}: the split is "
+            "fixed when tokenizing; set val_fraction to that value or run pretokenize again."
+        )
+
+    def split(name: str, label: str, cap: int | None) -> PackedTokenDataset:
+        tokens, offsets = read_token_split(source, name)
+        num_documents = len(offsets) - 1 if cap is None else int((offsets[1:] <= cap).sum()) + int(cap not in offsets)
+        try:
+            return PackedTokenDataset.from_stream(tokens, seq_len, min(num_documents, len(offsets) - 1), cap)
+        except ValueError as err:
+            raise ValueError(f"{label} split of the pre-tokenized {source}: {err}") from None
+
+    return split("train", "training", train_cap), split("val", "validation", val_cap) if val_fraction > 0 else None
 
 
 def _token_budget(max_tokens: int, seq_len: int, val_fraction: float) -> tuple[int, int]:

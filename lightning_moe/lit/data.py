@@ -1,4 +1,4 @@
-"""`TextDataModule`: byte-level text for the reference model, no download needed.
+"""`TextDataModule`: text for the reference model, byte-level (no download) or with a Hugging Face tokenizer.
 
 By default it trains on the Python standard library's source files of the running machine (real
 text, present everywhere), split deterministically into training and validation documents. Any
@@ -11,7 +11,8 @@ from __future__ import annotations
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lightning_moe.data import ByteTokenizer, build_datasets
+from lightning_moe.data import ByteTokenizer, HFTokenizer, build_datasets, is_token_directory
+from lightning_moe.data.token_files import read_token_meta
 
 __all__ = ["TextDataModule"]
 
@@ -27,6 +28,14 @@ class TextDataModule(L.LightningDataModule):
         max_tokens: cap on the tokens read (keeps CPU demos small); None = everything.
         pattern: glob of the files taken from a directory ``source``.
         num_workers: DataLoader worker processes.
+        tokenizer: a Hugging Face ``tokenizer.json``, or the model directory holding it (e.g. the
+            model's ``init_from``), so a loaded model trains on its own vocabulary; None = the
+            byte tokenizer. Needs the ``tokenizers`` library (the ``hf`` extra).
+        tokenizer_eos_token: the token ending each document with ``tokenizer`` (default: the
+            directory's ``eos_token_id``, else the usual names; see :class:`~lightning_moe.data.HFTokenizer`).
+
+    A ``source`` written by :func:`~lightning_moe.data.pretokenize` is read as memory-mapped token
+    files, without tokenizing; its vocabulary size is the one recorded there.
     """
 
     def __init__(
@@ -38,15 +47,19 @@ class TextDataModule(L.LightningDataModule):
         max_tokens: int | None = None,
         pattern: str = "*.txt",
         num_workers: int = 0,
+        tokenizer: str | None = None,
+        tokenizer_eos_token: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = ByteTokenizer() if tokenizer is None else HFTokenizer(tokenizer, tokenizer_eos_token)
         self.train_set = self.val_set = None
 
     @property
     def vocab_size(self) -> int:
-        """Tokens the tokenizer can emit; the model's vocabulary must be at least this large."""
+        """Tokens the tokenizer (or the pre-tokenized corpus) can emit; the model's vocabulary must be at least this large."""
+        if is_token_directory(self.hparams.source):
+            return int(read_token_meta(self.hparams.source)["vocab_size"])
         return self.tokenizer.vocab_size
 
     def setup(self, stage: str | None = None) -> None:
