@@ -157,3 +157,46 @@ def test_expert_shards_stay_tagged_after_meta_materialisation(tmp_path):
         assert result == {
             "tagged_on_meta": True, "tagged_after_to_empty": True, "grad_group": "edp", "state_dict_shape": (4, 8, 8),
         }, (rank, result)
+
+
+# -- examples/configs/hf_finetune_tiny.yaml ------------------------------------------------------
+
+HF_CONFIG = REPO / "examples" / "configs" / "hf_finetune_tiny.yaml"
+
+
+def _finetune(rank: int, world_size: int, root: str, model_dir: str) -> dict:
+    from lightning_moe.cli import cli_main
+
+    os.chdir(root)
+    cli = cli_main([
+        "fit", "--config", str(HF_CONFIG), f"--trainer.devices={world_size}",
+        "--trainer.strategy.init_args.expert_parallel_size=2", "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--data.max_tokens=20000", f"--model.init_from={model_dir}",
+        f"--data.tokenizer={model_dir}", f"--trainer.logger.init_args.save_dir={root}/logs",
+    ])
+    return {"global_step": cli.trainer.global_step, "loss": float(cli.trainer.callback_metrics["train_loss"]),
+            "checkpoint": cli.trainer.checkpoint_callback.last_model_path, "vocab": cli.datamodule.vocab_size}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hf_finetune_config_trains_and_exports(tmp_path):
+    """The fine-tuning example on 2 ranks (TP=2 x EP=2 folded), from the tiny directory that
+    ``examples/make_tiny_hf_model.py`` writes, 2 steps; its checkpoint exports with ``--format hf``
+    and loads in ``transformers``."""
+    transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+    pytest.importorskip("tokenizers", reason="the hf and test extras install tokenizers")
+    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", REPO / "examples" / "make_tiny_hf_model.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    model_dir = tmp_path / "tiny_qwen3_moe"
+    maker.main([str(model_dir)])
+    results = run_distributed(_finetune, 2, str(tmp_path), str(model_dir), tmp_dir=tmp_path, timeout_s=240)
+    assert all(r["global_step"] == 2 and math.isfinite(r["loss"]) for r in results), results
+    assert results[0]["vocab"] == maker.VOCAB_SIZE
+    from lightning_moe.cli import cli_main
+
+    cli_main(["export", results[0]["checkpoint"], str(tmp_path / "tuned"), "--format", "hf"])
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
+    assert type(tuned).__name__ == "Qwen3MoeForCausalLM"
