@@ -20,6 +20,13 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
 * gradients are reduced over the data-parallel groups once after the schedule, not per
   micro-batch (:class:`~lightning_moe.parallel.grad_sync.GradSync` is held in ``no_sync`` for the
   schedule's backward passes, which a ``PipelineStage`` only does itself for DDP/FSDP modules);
+* sharded (FSDP2) stages: the blocks and pieces of this rank's stages are the ``fully_shard``
+  units (:meth:`PipelineRunner.shard_units`, sharded after the trim: FSDP2 cannot drop
+  parameters afterwards), not the stage modules, so torch's own FSDP stage handling stays off.
+  :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` holds the reduce-scatters
+  off for the schedule and starts them once after it (``reduce_accumulated``); the sharded
+  gradients only exist then, so the division by the number of micro-batches follows the
+  reduction instead of the schedule's ``scale_grads``;
 * the loss is computed on the rank holding the last stage and broadcast over the pipeline group,
   so every rank returns the same mean loss.
 """
@@ -31,6 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -55,6 +63,7 @@ from lightning_moe.parallel.pipeline_split import (
     stage_to_rank,
     trim_to_stages,
 )
+from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 
 __all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options"]
 
@@ -185,6 +194,13 @@ class PipelineRunner:
         self._schedules: dict[tuple, object] = {}
         self._mesh = ctx.dense_mesh  # the hidden states' layout between stages is a dense one
 
+    def shard_units(self) -> list[nn.Module]:
+        """The modules of this rank's stages to shard as FSDP2 units: every block, then the pieces."""
+        return [m for stage in self.modules for m in (*stage.blocks.values(), *stage.pieces.values())]
+
+    def _sharded(self) -> bool:
+        return any(isinstance(m, FSDPModule) for stage in self.modules for m in stage.modules())
+
     def describe(self) -> str:
         """One line: the schedule and which stages this rank holds."""
         return (
@@ -206,7 +222,8 @@ class PipelineRunner:
             ]
             cls = PIPELINE_SCHEDULES[self.schedule_name][0]
             first = stages[0] if self.virtual_stages == 1 else stages
-            schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=True)
+            # Sharded: the gradients are divided after their reduction, in step().
+            schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=not self._sharded())
             if not train and isinstance(schedule, _PipelineScheduleRuntime):
                 _forward_only(schedule)
             self._schedules[key] = schedule
@@ -235,6 +252,8 @@ class PipelineRunner:
                 out, layout = _probe(module, x)
                 for buffer, value in zip(module.buffers(), saved):
                     buffer.copy_(value)
+                for unit in (m for m in module.modules() if isinstance(m, FSDPModule)):
+                    unit.reshard()  # free what the probe gathered (SHARD_GRAD_OP keeps it otherwise)
                 meta = (tuple(out.shape), out.dtype, layout)
             if self.pp > 1:
                 box = [meta]
@@ -280,19 +299,35 @@ class PipelineRunner:
 
         ``grad_sync`` (a :class:`~lightning_moe.parallel.grad_sync.GradSync`, optional) is armed
         for the schedule's backward passes, held back from reducing until the schedule is done,
-        then finished: the gradients are reduced once. Gradients accumulate into ``param.grad``:
-        zero them before.
+        then finished: the gradients are reduced once (a
+        :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` is told to start the
+        reduce-scatters first). Gradients accumulate into ``param.grad``: zero them before.
         """
         if grad_sync is None:
-            return self._run(inputs, targets, train=True)
-        grad_sync.begin_backward()
-        try:
-            with grad_sync.no_sync():
-                loss = self._run(inputs, targets, train=True)
-        finally:
-            grad_sync.end_backward()
-        grad_sync.finish()
+            loss = self._run(inputs, targets, train=True)
+        else:
+            grad_sync.begin_backward()
+            try:
+                with grad_sync.no_sync():
+                    loss = self._run(inputs, targets, train=True)
+                if isinstance(grad_sync, ShardedGradSync):
+                    grad_sync.reduce_accumulated()
+            finally:
+                grad_sync.end_backward()
+            grad_sync.finish()
+        if self._sharded():
+            self._divide_grads(self.num_microbatches)
         return loss
+
+    @torch.no_grad()
+    def _divide_grads(self, factor: int) -> None:
+        """What ``scale_grads`` does, on the reduced (sharded) gradients of this rank's stages."""
+        if factor == 1:
+            return
+        for stage in self.modules:
+            for param in stage.parameters():
+                if param.grad is not None:
+                    param.grad.div_(factor)
 
     @torch.no_grad()
     def eval(self, inputs: Tensor, targets: Tensor) -> Tensor:

@@ -12,7 +12,11 @@ with the same interface as :class:`~lightning_moe.parallel.grad_sync.GradSync`:
   each TP rank routed its own tokens, and the TP ranks of one data-parallel coordinate hold the
   same FSDP shard, so an all-reduce of the local shards completes the sum. It runs after a
   synchronised backward armed by :meth:`begin_backward` / :meth:`end_backward` and does nothing
-  otherwise, so calling it twice never sums twice.
+  otherwise, so calling it twice never sums twice;
+* :meth:`reduce_accumulated` reduce-scatters what the backward passes of a :meth:`no_sync`
+  window accumulated, without another backward: a pipeline schedule runs every micro-batch's
+  backward itself and its stages are not ``fully_shard`` units, so the reduction after the last
+  one is started here, as ``PipelineStage.perform_reduce_grad`` does for an FSDP stage module.
 
 Unlike ``GradSync``, a backward outside the armed window still reduce-scatters (FSDP2's hooks
 fire on every backward): such a backward must run on every rank.
@@ -26,12 +30,26 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.fully_shard import fully_sharded_modules, tp_partial_params
 
 __all__ = ["ShardedGradSync"]
+
+
+def _fsdp_state(unit: FSDPModule):
+    return unit._get_fsdp_state()  # private, as torch.distributed.pipelining.stage uses it
+
+
+def _param_groups(state) -> list:
+    # torch >= 2.13 keeps a list (one unit may hold several groups); earlier versions one group or None.
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 class ShardedGradSync:
@@ -84,6 +102,25 @@ class ShardedGradSync:
         if self._armed and self._sync:
             self._pending = True
         self._armed = False
+
+    @torch.no_grad()
+    def reduce_accumulated(self) -> None:
+        """Reduce-scatter the gradients accumulated under :meth:`no_sync` now; :meth:`finish` then sums over ``tp``.
+
+        Call outside :meth:`no_sync`, after the backward passes, on every rank of the units'
+        meshes. Every unit that took part in them runs FSDP2's ``post_backward`` (idempotent: a
+        unit without gradients does nothing), then each root unit's end-of-backward callback
+        waits for the reductions and resets the units for the next step.
+        """
+        if not self._sync:
+            raise RuntimeError("ShardedGradSync.reduce_accumulated() was called inside no_sync(); call it after.")
+        roots = [state for state in map(_fsdp_state, self.units) if state._is_root]
+        for root in roots:
+            for state in root._state_ctx.all_states:
+                for group in _param_groups(state):
+                    group.post_backward()
+            root._root_post_backward_final_callback()
+        self._pending = True
 
     @torch.no_grad()
     def finish(self) -> None:

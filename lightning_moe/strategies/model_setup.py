@@ -10,6 +10,8 @@ group has no CPU backend ("No backend type associated with device type cpu"), so
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,13 +23,22 @@ from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
 from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.fully_shard import (
+    _TP_PARTIAL_ATTR,  # private: see shard_split_model
+    apply_fully_shard,
+    check_fully_shard,
+    tp_partial_params,
+)
 from lightning_moe.parallel.layout_check import tensor_parallel_support_problem
 from lightning_moe.parallel.parallelize import parallelize
 
 __all__ = [
     "broadcast_initial_state", "check_tensor_parallel_support", "materialize", "move_materialized", "prepare_model",
-    "prepare_model_once",
+    "prepare_model_once", "shard_split_model",
 ]
+
+Split = Callable[[nn.Module], Sequence[nn.Module]]
+"""Pipeline parallelism's hook: trims the model to this rank's stages, returns the modules to shard as units."""
 
 _LAYOUT_ATTR = "_lightning_moe_layout"
 
@@ -75,7 +86,7 @@ def move_materialized(model: nn.Module, device: torch.device) -> None:
 def prepare_model(
     model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str,
     sharding_strategy: str = "NO_SHARD", mp_policy: MixedPrecisionPolicy | None = None, flex_backend: str = "auto",
-    cp_comm_type: str = "p2p",
+    cp_comm_type: str = "p2p", split: Split | None = None,
 ) -> dict[tuple[int, int], str]:
     """Move ``model`` to ``device``, start every rank from rank 0's state, then apply the layout.
 
@@ -87,20 +98,51 @@ def prepare_model(
     :func:`~lightning_moe.parallel.cpu_gemm_agreement.agree_on_cpu_gemm`), empty elsewhere.
     ``sharding_strategy``, ``mp_policy``, ``flex_backend`` and ``cp_comm_type`` go to
     :func:`~lightning_moe.parallel.parallelize`.
+
+    ``split`` (pipeline parallelism) trims the model to this rank's stages between the layout and
+    the sharding: the whole model is broadcast, parallelized without sharding and materialised
+    (a trimmed model can no longer draw its weights from the seeds), then split, and then only
+    the modules ``split`` returns are sharded (:func:`shard_split_model`): FSDP2 cannot drop
+    parameters once sharded, and the stages never call the model's own ``forward``.
     """
     move_materialized(model, device)
     broadcast_initial_state(model)
-    parallelize(
-        model, ctx, dispatcher=dispatcher, sharding_strategy=sharding_strategy, mp_policy=mp_policy,
-        flex_backend=flex_backend, cp_comm_type=cp_comm_type,
-    )
+    options = {"dispatcher": dispatcher, "flex_backend": flex_backend, "cp_comm_type": cp_comm_type}
+    if split is None:
+        parallelize(model, ctx, sharding_strategy=sharding_strategy, mp_policy=mp_policy, **options)
+    else:
+        check_fully_shard(model, ctx, sharding_strategy)  # before anything changes
+        parallelize(model, ctx, **options)
+        materialize(model, device)
+        shard_split_model(model, split(model), ctx, sharding_strategy, mp_policy)
     return agree_on_cpu_gemm(model) if device.type == "cpu" else {}
+
+
+def shard_split_model(
+    model: nn.Module, units: Sequence[nn.Module], ctx: ParallelContext, sharding_strategy: str,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """Shard ``units`` (modules of the trimmed ``model``: its stages' blocks and pieces) with FSDP2.
+
+    :func:`~lightning_moe.parallel.apply_fully_shard` runs on a list of the units, so each block
+    and piece (embedding, norm, head) is a unit of its own, as each of them is called on its own
+    by the stages; the tensor-parallel-partial parameters it records are then recorded on
+    ``model`` under the model's names, where
+    :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` looks them up.
+    """
+    if sharding_strategy == "NO_SHARD":
+        return
+    holder = nn.ModuleList(units)
+    apply_fully_shard(holder, ctx, sharding_strategy, mp_policy)
+    partial = {id(p) for p in tp_partial_params(holder)}
+    # fully_shard.py has no public setter for this record yet.
+    setattr(model, _TP_PARTIAL_ATTR, frozenset(n for n, p in model.named_parameters() if id(p) in partial))
 
 
 def prepare_model_once(
     model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str,
     sharding_strategy: str = "NO_SHARD", mp_policy: MixedPrecisionPolicy | None = None, flex_backend: str = "auto",
-    cp_comm_type: str = "p2p",
+    cp_comm_type: str = "p2p", split: Split | None = None,
 ) -> dict[tuple[int, int], str]:
     """:func:`prepare_model` unless ``model`` already holds this layout (a second ``fit``).
 
@@ -122,7 +164,9 @@ def prepare_model_once(
             f"re-sharded in place to {sizes(*layout)}. Save a checkpoint and load it into a fresh "
             "module instead (checkpoints reshard across layouts)."
         )
-    choices = prepare_model(model, ctx, device, dispatcher, sharding_strategy, mp_policy, flex_backend, cp_comm_type)
+    choices = prepare_model(
+        model, ctx, device, dispatcher, sharding_strategy, mp_policy, flex_backend, cp_comm_type, split
+    )
     setattr(model, _LAYOUT_ATTR, layout)
     return choices
 

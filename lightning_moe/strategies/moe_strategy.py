@@ -282,10 +282,11 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and callback is not None and callback.dirpath is not None:
             self.checkpointing.check_writable(callback.dirpath)  # before any step is spent
         check_sharding_combination(self.sharding_strategy, self.precision_plugin, trainer.callbacks)
+        split = None if self._pipeline is None else self._pipeline.prepare(self, trainer)  # trims before sharding
         gemm_choices = prepare_model_once(
             self.model, self.parallel_context, self.root_device, self.dispatcher, self.sharding_strategy,
             sharding_mp_policy(str(getattr(self.precision_plugin, "precision", ""))), self.flex_backend,
-            self.cp_comm_type,
+            self.cp_comm_type, split,
         )
         if gemm_choices:
             rank_zero_info(
@@ -296,7 +297,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self._pipeline is not None:
-            self._pipeline.setup(self, trainer)  # trims the model to this rank's stages
+            self._pipeline.setup(self, trainer)
         self._safeguards.setup(
             self.model, self.parallel_context, self.root_device, self._grad_scaler,
             detect_anomaly=getattr(trainer, "_detect_anomaly", False),

@@ -3,10 +3,13 @@
 Lightning has no pipeline parallelism; as NeMo 2 did with Megatron's schedules, the strategy takes
 over the optimisation step's forward and backward:
 
-* at setup (before gradient sync and optimizers are made) the network is split into stages and
-  trimmed to this rank's (:class:`~lightning_moe.parallel.pipeline.PipelineRunner`), and
-  Lightning's own backward and ``zero_grad`` are switched off (``fit_loop._skip_backward``, the
-  switch Lightning's ``StochasticWeightAveraging`` uses);
+* at setup the network is split into stages and trimmed to this rank's
+  (:class:`~lightning_moe.parallel.pipeline.PipelineRunner`) inside the model preparation,
+  after the tensor and expert layout and before FSDP2 sharding (:meth:`PipelineDriver.prepare`
+  gives ``prepare_model_once`` the hook), so only this rank's stages are sharded, over their own
+  ``dp`` / ``edp`` groups (the meshes are per pipeline stage); Lightning's own backward and
+  ``zero_grad`` are switched off (``fit_loop._skip_backward``, the switch Lightning's
+  ``StochasticWeightAveraging`` uses);
 * ``training_step`` zeroes the gradients, sets the aux/z-loss gradient scale (1: the schedule
   divides every gradient by the number of micro-batches), runs the schedule on the batch split in
   micro-batches, reduces the gradients once, and logs the loss from the last stage, identical
@@ -22,7 +25,7 @@ defines ``pipeline_parts()`` (:mod:`lightning_moe.parallel.pipeline_split`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -78,8 +81,34 @@ class PipelineDriver:
         self.layer_split = layer_split
         self.runner: PipelineRunner | None = None
 
+    def prepare(self, strategy: Any, trainer: Any) -> Callable[[nn.Module], list[nn.Module]]:
+        """Refuse what PP cannot run; returns the ``split`` hook of ``prepare_model_once``.
+
+        The hook splits and trims the network (:class:`PipelineRunner`) and returns the modules
+        to shard: this rank's blocks and pieces.
+        """
+        self._check(strategy, trainer)
+
+        def split(_model: nn.Module) -> list[nn.Module]:
+            self.runner = self._runner(strategy)
+            return self.runner.shard_units()
+
+        return split
+
+    def _runner(self, strategy: Any) -> PipelineRunner:
+        module = strategy.lightning_module
+        return PipelineRunner(
+            _network(module), strategy.parallel_context, self.schedule, self.num_microbatches,
+            module.pipeline_loss, strategy.root_device, self.virtual_stages, self.layer_split,
+        )
+
     def setup(self, strategy: Any, trainer: Any) -> None:
-        """Refuse what PP cannot run, split and trim the network (once), switch off Lightning's backward."""
+        """After the model preparation: split the network now if it was prepared already, switch off Lightning's backward."""
+        if self.runner is None:  # the model held this layout already: prepare_model_once did not split it
+            self.runner = self._runner(strategy)
+        trainer.fit_loop._skip_backward = True  # the schedule runs the backward: Lightning must not
+
+    def _check(self, strategy: Any, trainer: Any) -> None:
         module = strategy.lightning_module
         problems = []
         if trainer.state.fn in ("test", "predict"):
@@ -89,8 +118,6 @@ class PipelineDriver:
         if trainer.accumulate_grad_batches != 1:
             problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (use num_microbatches: "
                             "each batch is split into that many micro-batches)")
-        if strategy.sharding_strategy != "NO_SHARD":
-            problems.append(f"sharding_strategy={strategy.sharding_strategy!r} (use NO_SHARD)")
         if strategy._grad_scaler is not None:
             problems.append("precision='16-mixed' (its GradScaler would have to scale the loss inside the "
                             "schedule; use 'bf16-mixed' or 32)")
@@ -101,12 +128,6 @@ class PipelineDriver:
             problems.append(f"{type(module).__name__} without pipeline_loss(outputs, targets)")
         if problems:
             raise ValueError("pipeline_parallel_size > 1 does not support: " + "; ".join(problems) + ".")
-        if self.runner is None:
-            self.runner = PipelineRunner(
-                _network(module), strategy.parallel_context, self.schedule, self.num_microbatches,
-                module.pipeline_loss, strategy.root_device, self.virtual_stages, self.layer_split,
-            )
-        trainer.fit_loop._skip_backward = True  # the schedule runs the backward: Lightning must not
 
     def training_step(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
         """Zero the gradients, run the schedule on ``batch``, reduce once; returns (and logs) the loss."""
