@@ -81,8 +81,9 @@ def _position_hook(cp_rank: int, cp_size: int, max_seq_len: int):
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, cp_comm_type: str = "p2p") -> nn.Module:
     """Make every reference transformer in ``model`` context parallel over ``ctx``'s ``cp`` group (module docstring).
 
-    A model with no :class:`~lightning_moe.models.MoETransformer` is refused at CP > 1 (its own
-    attention would see only the local chunks).
+    MoE layers outside a reference transformer need nothing (they route the tokens they are given);
+    a model whose own attention would see only the local chunks is the caller's to refuse
+    (``MoEStrategy`` does).
     """
     cp = ctx.size("cp")
     if cp == 1:
@@ -90,11 +91,6 @@ def apply_context_parallel(model: nn.Module, ctx: ParallelContext, cp_comm_type:
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
     transformers = [m for m in model.modules() if isinstance(m, MoETransformer)]
-    if not transformers:
-        raise ValueError(
-            f"context_parallel_size={cp} needs the reference lightning_moe.models.MoETransformer (its attention "
-            "runs over the CP ranks' chunks); this model has none. Use context_parallel_size=1."
-        )
     group, rank = ctx.group("cp"), ctx.rank_in("cp")
     for transformer in transformers:
         for parent in list(transformer.modules()):

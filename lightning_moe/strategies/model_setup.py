@@ -33,14 +33,28 @@ from lightning_moe.parallel.layout_check import tensor_parallel_support_problem
 from lightning_moe.parallel.parallelize import parallelize
 
 __all__ = [
-    "broadcast_initial_state", "check_tensor_parallel_support", "materialize", "move_materialized", "prepare_model",
-    "prepare_model_once", "shard_split_model",
+    "broadcast_initial_state", "check_context_parallel_support", "check_tensor_parallel_support", "materialize",
+    "move_materialized", "prepare_model", "prepare_model_once", "shard_split_model",
 ]
 
 Split = Callable[[nn.Module], Sequence[nn.Module]]
 """Pipeline parallelism's hook: trims the model to this rank's stages, returns the modules to shard as units."""
 
 _LAYOUT_ATTR = "_lightning_moe_layout"
+
+
+def check_context_parallel_support(model: nn.Module, cp: int) -> None:
+    """Raise ``ValueError`` at CP > 1 unless ``model`` holds the reference transformer.
+
+    Context parallelism runs the reference model's attention over the CP ranks' chunks of each
+    sequence; any other attention would silently see the local chunks only.
+    """
+    if cp > 1 and not any(isinstance(m, MoETransformer) for m in model.modules()):
+        raise ValueError(
+            f"context_parallel_size={cp} needs the reference lightning_moe.models.MoETransformer (its attention "
+            f"runs over the CP ranks' chunks of each sequence); {type(model).__name__} has none. Build the network "
+            "from MoETransformer, or use context_parallel_size=1."
+        )
 
 
 def check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
@@ -150,6 +164,7 @@ def prepare_model_once(
     Returns the CPU GEMM choices of :func:`prepare_model` (empty when nothing was done).
     """
     check_tensor_parallel_support(model, ctx.size("tp"))
+    check_context_parallel_support(model, ctx.size("cp"))
     layout = (ctx.dims, dispatcher, sharding_strategy)
     applied = getattr(model, _LAYOUT_ATTR, None)
     if applied == layout:

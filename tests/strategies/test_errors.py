@@ -9,6 +9,7 @@ import pytest
 from helpers.dist import run_distributed
 from strategies.toy import ToyModule, make_dataset, quiet_trainer_kwargs, train_loader
 
+from lightning_moe import MoEConfig, MoELayer
 from lightning_moe.strategies import MoEStrategy
 
 # -- options refused by the constructor (no processes needed) -------------------------------------
@@ -168,6 +169,19 @@ def test_tensor_parallel_needs_the_reference_model(tmp_path):
         assert re.search(r"tensor_parallel_size=2 needs a model .*MoETransformer.*moe1", message), message
 
 
-def test_context_parallel_is_refused():
-    with pytest.raises(ValueError, match=r"context_parallel_size=2: context parallelism of attention is not supported"):
-        MoEStrategy(context_parallel_size=2)
+def test_unknown_cp_comm_type_is_refused():
+    with pytest.raises(ValueError, match=r"Unknown cp_comm_type 'ring'; choose one of \['p2p', 'all_gather'\]"):
+        MoEStrategy(context_parallel_size=2, cp_comm_type="ring")
+
+
+def test_context_parallel_with_pipeline_parallel_is_refused():
+    with pytest.raises(ValueError, match=r"context_parallel_size=2 does not combine with pipeline_parallel_size=2"):
+        MoEStrategy(context_parallel_size=2, pipeline_parallel_size=2)
+
+
+def test_context_parallel_needs_the_reference_transformer():
+    from lightning_moe.strategies.model_setup import check_context_parallel_support
+
+    check_context_parallel_support(MoELayer(MoEConfig(8, 16, 4, top_k=2)), 1)  # CP=1: any model
+    with pytest.raises(ValueError, match=r"context_parallel_size=2 needs the reference lightning_moe.models.MoETransformer"):
+        check_context_parallel_support(MoELayer(MoEConfig(8, 16, 4, top_k=2)), 2)
