@@ -16,8 +16,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.asserts import exceeds, worst_error
 from helpers.dist import run_distributed
-from parallel.test_tensor_parallel import _full
+from parallel.parity import note_gradients, note_weights, step_and_zero
 
 from lightning_moe import MoEConfig
 from lightning_moe.layers import set_aux_loss_scale
@@ -90,6 +91,10 @@ def _run(rank: int, world: int, layout: dict, comm_type: str, mla: bool) -> dict
     set_aux_loss_scale(model, float(ctx.size("cp")))
     set_aux_loss_scale(reference, 1.0 / dp)
     errors: dict[str, float] = {}
+
+    def note(key: str, err: float) -> None:
+        errors[key] = worst_error(errors.get(key, 0.0), err)
+
     for step in range(STEPS):
         inputs, targets, padding = _batch(step, dp)
         mine = slice(dp_rank * SAMPLES_PER_REPLICA, (dp_rank + 1) * SAMPLES_PER_REPLICA)
@@ -108,19 +113,10 @@ def _run(rank: int, world: int, layout: dict, comm_type: str, mla: bool) -> dict
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         # The TP ranks of a (DP, CP) pair hold the same loss: the mean over the world is the DP x CP mean.
-        errors[f"loss {step}"] = abs(mean_loss.item() / world - ref_loss.item())
-        ref_grads = dict(reference.named_parameters())
-        for name, param in model.named_parameters():
-            got, want = _full(param, param.grad, ref_grads[name].grad)
-            errors[f"grad {name}"] = max(errors.get(f"grad {name}", 0.0), (got - want).abs().max().item())
-        optimizer.step()
-        ref_optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        ref_optimizer.zero_grad(set_to_none=True)
-    ref_params = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        got, want = _full(param, param.detach(), ref_params[name].detach())
-        errors[f"weight {name}"] = (got - want).abs().max().item()
+        note(f"loss {step}", abs(mean_loss.item() / world - ref_loss.item()))
+        note_gradients(note, model, reference)
+        step_and_zero(optimizer, ref_optimizer)
+    note_weights(note, model, reference)
     return errors
 
 
@@ -131,6 +127,6 @@ def test_context_parallel_training_equals_single_device(layout, comm_type, tmp_p
     results = run_distributed(_run, world, sizes, comm_type, "mla" in layout, timeout_s=180, tmp_dir=tmp_path)
     failures = {
         f"rank {rank}: {key}": err for rank, errors in enumerate(results) for key, err in errors.items()
-        if not err <= (WEIGHT_TOL if key.startswith("weight") else TOL)  # NaN fails too
+        if exceeds(err, WEIGHT_TOL if key.startswith("weight") else TOL)
     }
     assert not failures, failures

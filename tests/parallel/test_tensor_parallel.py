@@ -17,12 +17,11 @@ import torch.distributed as dist
 from helpers.asserts import exceeds, worst_error
 from helpers.dist import run_distributed
 from models.test_presets import PRESETS, load_preset
-from torch.distributed.tensor import DTensor
+from parallel.parity import note_gradients, note_weights, step_and_zero
 
 from lightning_moe import MoEConfig
 from lightning_moe.models import MoETransformer, MoETransformerConfig
-from lightning_moe.parallel import ParallelDims, build_parallel_context, expert_shard, parallelize
-from lightning_moe.parallel.expert_parallel import _local_slice
+from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
 
@@ -49,16 +48,6 @@ def _config() -> MoETransformerConfig:
         ffn_hidden_size=64, first_dense_layers=1, qk_norm=True,
         moe=MoEConfig(32, 16, 8, top_k=2, shared_expert_ffn_hidden_size=16, shared_expert_gate=True),
     )
-
-
-def _full(param: torch.Tensor, value: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's value as comparable tensor, the matching slice of the reference)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor(), reference
-    shard = expert_shard(param)
-    if shard is not None:
-        return value, _local_slice(reference, shard, param.shape[0])
-    return value, reference
 
 
 def _train_and_compare(
@@ -90,22 +79,13 @@ def _train_and_compare(
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         note("loss", abs(mean_loss.item() / world - ref_loss.item()))
-        ref_grads = dict(reference.named_parameters())
-        for name, param in model.named_parameters():
-            got, want = _full(param, param.grad, ref_grads[name].grad)
-            note(f"grad {name}", (got - want).abs().max().item())
+        note_gradients(note, model, reference)
         if clip is not None:
             norm = clip_grad_norm_(model.parameters(), clip, ctx)
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
             note("grad norm", abs(norm.item() - ref_norm.item()))
-        optimizer.step()
-        ref_optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        ref_optimizer.zero_grad(set_to_none=True)
-    ref_params = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        got, want = _full(param, param.detach(), ref_params[name].detach())
-        note(f"weight {name}", (got - want).abs().max().item())
+        step_and_zero(optimizer, ref_optimizer)
+    note_weights(note, model, reference)
     return worst
 
 
