@@ -22,7 +22,7 @@ from torchmetrics import Metric
 from torchmetrics.text import Perplexity
 
 from lightning_moe.models import MoETransformer, MoETransformerConfig
-from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss
+from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss, next_token_loss_sum
 from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean
 
@@ -294,10 +294,7 @@ class MoELanguageModel(L.LightningModule):
         ctx = strategy.parallel_context if hasattr(type(strategy), "parallel_context") else None
         if ctx is None or ctx.size("cp") == 1:
             return self._loss(logits, targets)
-        total = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        return cp_token_mean(total, (targets != IGNORE_INDEX).sum(), ctx)
+        return cp_token_mean(*next_token_loss_sum(logits, targets, IGNORE_INDEX), ctx)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         """Validation loss and perplexity per target token, over every batch and rank."""

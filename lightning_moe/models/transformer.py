@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.layers.moe import MoELayer
+from lightning_moe.layers.weight_init import write_full
 from lightning_moe.models.attention import Attention, RMSNorm
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.mla import MultiLatentAttention
@@ -46,6 +47,7 @@ from lightning_moe.models.rope import rotary_cos_sin
 __all__ = [
     "EMPTY_BATCH_HINT", "DenseMLP", "MoETransformer", "TransformerBlock", "init_generator", "module_seed",
     "next_token_loss",
+    "next_token_loss_sum",
 ]
 
 EMPTY_BATCH_HINT = (
@@ -79,26 +81,19 @@ def next_token_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -
     still depends on the logits, so backward gives every parameter a (zero) gradient and
     gradient reductions across ranks (DDP) see them all, and the logged value is 0.
     """
+    total, count = next_token_loss_sum(logits, targets, ignore_index)
+    # The count stays on the device: no host read per step.
+    return total / count.clamp(min=1)
+
+
+def next_token_loss_sum(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """``(sum of the fp32 cross-entropies, number of targets kept)`` of :func:`next_token_loss`, for
+    means over several ranks' tokens (context parallelism)."""
     flat_targets = targets.flatten()
     total = F.cross_entropy(
         logits.float().flatten(0, 1), flat_targets, ignore_index=ignore_index, reduction="sum"
     )
-    # The count stays on the device: no host read per step.
-    return total / (flat_targets != ignore_index).sum().clamp(min=1)
-
-
-def _write_full(weight: Tensor, values: Tensor) -> None:
-    """Copy the full tensor ``values`` into ``weight``, or into this rank's shard of it.
-
-    A weight sharded by tensor parallelism (a DTensor, recognised by its ``placements``) keeps the
-    slice of ``values`` its placements give this rank; every rank drew the same ``values``, so no
-    communication is needed.
-    """
-    if hasattr(weight, "placements"):
-        from torch.distributed.tensor import distribute_tensor  # only reached under tensor parallelism
-
-        values = distribute_tensor(values.to(weight.device), weight.device_mesh, weight.placements, src_data_rank=None)
-    weight.copy_(values)
+    return total, (flat_targets != ignore_index).sum()
 
 
 class DenseMLP(nn.Module):
@@ -251,7 +246,7 @@ class MoETransformer(nn.Module):
                 # Explicitly on the CPU, like the generator: Lightning may run this under a device context.
                 values = torch.empty(weight.shape, dtype=torch.float32, device="cpu")
                 values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
-                _write_full(weight, values)
+                write_full(weight, values)
 
     def forward(
         self, tokens: Tensor, padding_mask: Tensor | None = None, position_ids: Tensor | None = None
