@@ -130,11 +130,18 @@ class ShardedGradSync:
         self._pending = False
         if self.ctx.size("tp") == 1:
             return
-        group = self.ctx.group("tp")
-        for param in tp_partial_params(self.model):
-            if param.grad is not None:
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                dist.all_reduce(grad, group=group)
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in tp_partial_params(self.model) if p.grad is not None
+        ]
+        # One all-reduce per dtype instead of one per parameter (a router and a shared expert in
+        # every MoE layer would otherwise cost a collective each).
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.ctx.group("tp"))
+            for grad, piece in zip(same, flat.split([g.numel() for g in same])):
+                grad.copy_(piece.view_as(grad))
 
     def remove_hooks(self) -> None:
         """Nothing to remove: FSDP2 owns its hooks (kept for the ``GradSync`` interface)."""
