@@ -35,7 +35,7 @@ from lightning_moe.parallel.layout_check import expert_layer_problems
 
 __all__ = [
     "ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "expert_hidden_dim", "expert_shard",
-    "is_expert_param", "record_fsdp_sharding",
+    "ffn_block_ranges", "is_expert_param", "record_fsdp_sharding",
 ]
 
 _SHARD_ATTR = "_lightning_moe_expert_shard"
@@ -93,7 +93,7 @@ def record_fsdp_sharding(experts: nn.Module) -> None:
             experts.tag_parameter(name, _SHARD_ATTR, replace(spec, fsdp_dim=expert_hidden_dim(spec)))
 
 
-def _ffn_block(shard: ExpertShard, dim_len: int) -> list[tuple[int, int]]:
+def ffn_block_ranges(shard: ExpertShard, dim_len: int) -> list[tuple[int, int]]:
     """(start, stop) ranges of the global F axis that this rank holds, in local order."""
     if shard.gated:
         half = dim_len // 2
@@ -110,7 +110,7 @@ def _local_slice(full: Tensor, shard: ExpertShard, num_local: int, experts_slice
         full = full.narrow(0, shard.expert_offset, num_local)
     if shard.ffn_dim is None or shard.ffn_size == 1:
         return full
-    pieces = [full.narrow(shard.ffn_dim, a, b - a) for a, b in _ffn_block(shard, full.shape[shard.ffn_dim])]
+    pieces = [full.narrow(shard.ffn_dim, a, b - a) for a, b in ffn_block_ranges(shard, full.shape[shard.ffn_dim])]
     return torch.cat(pieces, dim=shard.ffn_dim) if len(pieces) > 1 else pieces[0]
 
 

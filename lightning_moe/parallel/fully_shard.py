@@ -45,6 +45,7 @@ __all__ = [
     "check_fully_shard",
     "check_sharding_strategy",
     "fully_sharded_modules",
+    "record_tp_partial_params",
     "tp_partial_params",
 ]
 
@@ -74,6 +75,13 @@ def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
     """
     names = getattr(model, _TP_PARTIAL_ATTR, ())
     return [p for n, p in model.named_parameters() if n in names]
+
+
+def record_tp_partial_params(model: nn.Module, params) -> None:
+    """Record ``params`` (parameters of ``model``) as TP-partial, under ``model``'s names, for
+    :func:`tp_partial_params` (e.g. after sharding a part of ``model`` held in another container)."""
+    ids = {id(p) for p in params}
+    setattr(model, _TP_PARTIAL_ATTR, frozenset(n for n, p in model.named_parameters() if id(p) in ids))
 
 
 def fully_sharded_modules(model: nn.Module) -> list[FSDPModule]:

@@ -34,7 +34,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from lightning_moe.models.hf.config_map import config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config
 from lightning_moe.models.hf.weights import Source, check_leftovers, hf_sources
-from lightning_moe.parallel.expert_parallel import _ffn_block, expert_shard
+from lightning_moe.parallel.expert_parallel import expert_shard, ffn_block_ranges
 
 __all__ = ["load_hf_weights", "local_ranges"]
 
@@ -74,7 +74,7 @@ def local_ranges(tensor: Tensor) -> tuple[tuple[int, ...], Ranges]:
     num_local = tensor.shape[0]  # the FSDP2 DTensor over EDP keeps the local experts whole
     ranges[0] = [(spec.expert_offset, spec.expert_offset + num_local)]
     if spec.ffn_dim is not None and spec.ffn_size > 1:
-        ranges[spec.ffn_dim] = _ffn_block(spec, shape[spec.ffn_dim])
+        ranges[spec.ffn_dim] = ffn_block_ranges(spec, shape[spec.ffn_dim])
     if isinstance(tensor, DTensor):  # sharded data parallelism: this rank's block of H
         ranges = _dtensor_ranges(tensor, ranges)
     return shape, ranges

@@ -24,9 +24,9 @@ from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
 from lightning_moe.parallel.expert_parallel import is_expert_param
 from lightning_moe.parallel.fully_shard import (
-    _TP_PARTIAL_ATTR,  # private: see shard_split_model
     apply_fully_shard,
     check_fully_shard,
+    record_tp_partial_params,
     tp_partial_params,
 )
 from lightning_moe.parallel.layout_check import tensor_parallel_support_problem
@@ -148,9 +148,7 @@ def shard_split_model(
         return
     holder = nn.ModuleList(units)
     apply_fully_shard(holder, ctx, sharding_strategy, mp_policy)
-    partial = {id(p) for p in tp_partial_params(holder)}
-    # fully_shard.py has no public setter for this record yet.
-    setattr(model, _TP_PARTIAL_ATTR, frozenset(n for n, p in model.named_parameters() if id(p) in partial))
+    record_tp_partial_params(model, tp_partial_params(holder))
 
 
 def prepare_model_once(
