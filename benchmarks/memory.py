@@ -395,6 +395,14 @@ def grad_sync_table(base: MoETransformer, batch: torch.Tensor) -> tuple[str, str
     return intro, "\n".join(lines)
 
 
+def _report(title: str, flag: str, intro: str, table: str, output: str) -> None:
+    """Print ``table``; with ``output``, also write it there as markdown under ``title`` and ``intro``."""
+    print(table)
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(f"# {title}\n\n`python benchmarks/memory.py {flag}` (torch {torch.__version__})\n\n{intro}\n{table}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="", help="also write the table to this markdown file")
@@ -409,12 +417,7 @@ def main() -> None:
         from sharding_memory import __doc__ as sharding_doc
         from sharding_memory import sharding_table
 
-        table = sharding_table()
-        print(table)
-        if args.output:
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(f"# Sharded data parallelism: per-rank bytes\n\n`python benchmarks/memory.py --sharding` "
-                        f"(torch {torch.__version__})\n\n{sharding_doc}\n{table}\n")
+        _report("Sharded data parallelism: per-rank bytes", "--sharding", sharding_doc, sharding_table(), args.output)
         return
     torch.set_num_threads(args.threads)
     set_cpu_gemm_backend("aten")  # unpadded expert rows: machine-independent counts (module docstring)
@@ -424,11 +427,7 @@ def main() -> None:
     if args.grad_sync:
         intro, table = grad_sync_table(base, batch)
         print(intro)
-        print(table)
-        if args.output:
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(f"# Gradient-sync memory\n\n`python benchmarks/memory.py --grad-sync` "
-                        f"(torch {torch.__version__})\n\n{intro}\n{table}\n")
+        _report("Gradient-sync memory", "--grad-sync", intro, table, args.output)
         return
 
     configs = [("none", (), ())]
