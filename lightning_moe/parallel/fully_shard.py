@@ -102,6 +102,13 @@ def check_fully_shard(model: nn.Module, ctx: ParallelContext, sharding_strategy:
             f"sharding_strategy={sharding_strategy!r} does not combine with context_parallel_size > 1 yet; "
             "use sharding_strategy='NO_SHARD' or context_parallel_size=1."
         )
+    own = [n for n, _ in model.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"{type(model).__name__} holds parameters of its own ({', '.join(own)}); with sharding, every "
+            "parameter must live in a submodule whose forward runs (move them into one), or use "
+            "sharding_strategy='NO_SHARD'."
+        )
     edp = ctx.size("edp")
     # FSDP2 needs even shards on a nonzero dimension.
     for name, layer in ((n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)):
@@ -168,13 +175,6 @@ def _top_level_units(model: nn.Module, sharded: set[int]) -> list[nn.Module]:
     def has_rest(module: nn.Module) -> bool:
         return any(id(p) not in sharded for p in module.parameters())
 
-    if any(id(p) not in sharded for p in model.parameters(recurse=False)):
-        names = [n for n, p in model.named_parameters(recurse=False) if id(p) not in sharded]
-        raise ValueError(
-            f"{type(model).__name__} holds parameters of its own ({', '.join(names)}); with sharding, every "
-            "parameter must live in a submodule whose forward runs (move them into one), or use "
-            "sharding_strategy='NO_SHARD'."
-        )
     units: list[nn.Module] = []
     for child in model.children():
         if not has_rest(child):

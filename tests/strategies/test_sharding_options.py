@@ -191,6 +191,26 @@ def test_unknown_sharding_strategy_is_refused_at_construction():
         MoEStrategy(sharding_strategy="HYBRID")
 
 
+def test_a_model_with_parameters_of_its_own_is_refused_before_anything_changes():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_moe import MoEConfig, MoELayer
+    from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
+
+    model = torch.nn.Module()
+    model.scale = torch.nn.Parameter(torch.ones(1))
+    model.moe = MoELayer(MoEConfig(8, 16, 4, top_k=2))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        ctx = build_parallel_context(ParallelDims(2, ep=2), "cpu")
+        with pytest.raises(ValueError, match=r"Module holds parameters of its own \(scale\)"):
+            parallelize(model, ctx, sharding_strategy="FULL_SHARD")
+    finally:
+        dist.destroy_process_group()
+    assert not any(is_expert_param(p) for p in model.parameters()), "refused before anything changed"
+
+
 def test_expert_data_parallel_size_must_divide_the_hidden_size():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
