@@ -17,6 +17,7 @@ CHECKS = {
     "expert GEMMs bf16 under autocast": "tests/layers/test_experts_gpu.py::",
     "16-mixed aux grads vs fp32": "tests/callbacks/test_loss_scaling.py::test_16_mixed_aux_gradients",
     "sync-free grouped path": "tests/layers/test_sync_free.py::",
+    "CP ring on CUDA flash attention": "tests/parallel/test_context_parallel_gpu.py::",
 }
 """What is checked -> the id prefix (``path::name``) of its tests."""
 

@@ -9,17 +9,18 @@ local queries over the whole sequence, by one of two exchanges of the keys and v
 * ``"all_gather"``: every rank gathers all K/V chunks (backward: reduce-scatter of their
   gradients) and attends with the mask ``key position <= query position`` in one
   ``scaled_dot_product_attention`` call (the device's fused kernels, in the inputs' dtype);
-* ``"p2p"``: a ring. K/V blocks travel ``C - 1`` hops with ``batch_isend_irecv``; each step's
-  partial attention and its log-sum-exp are merged online (the flash-attention merge), so no rank
-  holds more than two K/V blocks at a time. The backward runs the ring in reverse through the
-  same differentiable hop. Scores, softmax and merge are computed in fp32 by matmuls (fused
-  kernels do not return the differentiable log-sum-exp the merge needs).
+* ``"p2p"``: a ring (:mod:`lightning_moe.parallel.ring_attention`). K/V blocks travel ``C - 1``
+  hops with ``batch_isend_irecv``, overlapped with the attention of the block at hand; each step's
+  partial attention is merged online through its log-sum-exp (the flash-attention merge), so no
+  rank holds more than two K/V blocks at a time. Each step runs the device's fused attention
+  kernel (CUDA flash attention in bf16/fp16, PyTorch's fused CPU kernels; fp32 matmuls where
+  neither applies) with no mask: the load balance makes every block either causal and square or
+  wholly visible. The backward recomputes each block from the merged output and log-sum-exp and
+  sends each K/V gradient along the ring to its owner.
 
-Masks are finite (``-1e30`` instead of ``-inf``) so that rows with no visible key in one block (a
-query chunk before a whole key block) merge to exact zeros instead of NaN. The collectives are
-this module's own autograd functions and make every incoming gradient contiguous
-(``torch.distributed.nn.functional.all_gather`` gives wrong gradients on gloo for non-contiguous
-ones).
+The collectives are this module's own autograd functions and make every incoming gradient
+contiguous (``torch.distributed.nn.functional.all_gather`` gives wrong gradients on gloo for
+non-contiguous ones).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe.parallel.ring_attention import ring_attention
+
 __all__ = [
     "CP_COMM_TYPES",
-    "MASK_VALUE",
     "context_parallel_attention",
     "load_balanced_positions",
     "shard_sequence",
@@ -39,8 +41,6 @@ __all__ = [
 ]
 
 CP_COMM_TYPES = ("p2p", "all_gather")
-MASK_VALUE = -1e30
-"""Score of a masked (future) key: finite, so a fully masked block gives weights 0, not NaN."""
 
 
 def load_balanced_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> Tensor:
@@ -94,50 +94,9 @@ class _AllGather(torch.autograd.Function):
         return out, None
 
 
-class _RingHop(torch.autograd.Function):
-    """Send ``x`` to the next rank of the ring and return the previous rank's; backward goes the other way."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group) -> Tensor:
-        ctx.group = group
-        return _exchange(x.contiguous(), group, step=1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _exchange(grad.contiguous(), ctx.group, step=-1), None
-
-
-def _exchange(x: Tensor, group, step: int) -> Tensor:
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    ranks = dist.get_process_group_ranks(group)
-    out = torch.empty_like(x)
-    ops = [
-        dist.P2POp(dist.isend, x, ranks[(rank + step) % size], group),
-        dist.P2POp(dist.irecv, out, ranks[(rank - step) % size], group),
-    ]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return out
-
-
-def _partial_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float):
-    """Causal attention of ``q`` over one K/V block: (output, log-sum-exp per query row)."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    visible = k_pos[None, :] <= q_pos[:, None]
-    scores = scores.masked_fill(~visible, MASK_VALUE)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    out = torch.matmul(torch.exp(scores - lse), v.float())
-    return out, lse
-
-
-def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Online-softmax merge of two partial attentions over disjoint key sets."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - new_lse) + block_out * torch.exp(block_lse - new_lse), new_lse
-
-
 def context_parallel_attention(
     q: Tensor, k: Tensor, v: Tensor, group, cp_comm_type: str = "p2p", softmax_scale: float | None = None,
+    block_kernel: str = "auto",
 ) -> Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
@@ -148,39 +107,31 @@ def context_parallel_attention(
         group: the CP process group (ranks in the order of their chunks).
         cp_comm_type: ``"p2p"`` (ring) or ``"all_gather"``.
         softmax_scale: multiplies ``q @ k^T``; None is ``D ** -0.5``.
+        block_kernel: the ring's attention kernel per step (``p2p`` only): ``"auto"`` (the device's
+            fused kernel where it applies), ``"math"`` (fp32 matmuls), ``"cpu_flash"``, ``"cuda_flash"``
+            (:mod:`lightning_moe.parallel.attention_blocks`).
 
-    Returns ``[B, H, S_local, Dv]`` in ``q``'s dtype (``p2p`` computes in fp32, ``all_gather`` in SDPA).
+    Returns ``[B, H, S_local, Dv]`` in ``q``'s dtype. K/V travel with their own head count ``H_kv``.
     """
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    seq_local = q.shape[2]
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"context-parallel attention needs the query heads ({q.shape[1]}) to be a multiple of the key/value "
+            f"heads (keys {k.shape[1]}, values {v.shape[1]})."
+        )
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if cp_comm_type == "p2p":
+        return ring_attention(q, k, v, group, scale, block_kernel)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    positions = [load_balanced_positions(q.shape[2] * size, r, size, device=q.device) for r in range(size)]
+    # Gather along a leading dim of its own, then lay the ranks' blocks side by side.
+    k_cat = torch.cat(list(_AllGather.apply(k.unsqueeze(0), group).unbind(0)), dim=2)  # [B, H_kv, S, D]
+    v_cat = torch.cat(list(_AllGather.apply(v.unsqueeze(0), group).unbind(0)), dim=2)
     if q.shape[1] != k.shape[1]:
         repeat = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    positions = [load_balanced_positions(seq_local * size, r, size, device=q.device) for r in range(size)]
-    q_pos = positions[rank]
-    if cp_comm_type == "all_gather":
-        # Gather along a leading dim of its own, then lay the ranks' blocks side by side.
-        k_all = _AllGather.apply(k.unsqueeze(0), group)  # [C, B, H, S_local, D]
-        v_all = _AllGather.apply(v.unsqueeze(0), group)
-        k_cat = torch.cat(list(k_all.unbind(0)), dim=2)
-        v_cat = torch.cat(list(v_all.unbind(0)), dim=2)
-        # One attention over the whole sequence: the fused SDPA kernels (with a mask) where the device
-        # has them. Every query sees at least itself, so no row is fully masked.
-        visible = torch.cat(positions)[None, :] <= q_pos[:, None]
-        return F.scaled_dot_product_attention(q, k_cat, v_cat, attn_mask=visible, scale=scale)
-    out, lse = _partial_attention(q, k, v, q_pos, q_pos, scale)
-    kv = torch.stack([k, v]) if k.shape[-1] == v.shape[-1] else None
-    k_block, v_block = k, v
-    for hop in range(1, size):
-        if kv is not None:
-            kv = _RingHop.apply(kv, group)
-            k_block, v_block = kv.unbind(0)
-        else:
-            k_block, v_block = _RingHop.apply(k_block, group), _RingHop.apply(v_block, group)
-        source = (rank - hop) % size
-        block_out, block_lse = _partial_attention(q, k_block, v_block, q_pos, positions[source], scale)
-        out, lse = _merge(out, lse, block_out, block_lse)
-    return out.to(q.dtype)
+        k_cat, v_cat = k_cat.repeat_interleave(repeat, dim=1), v_cat.repeat_interleave(repeat, dim=1)
+    # One attention over the whole sequence: the fused SDPA kernels (with a mask) where the device
+    # has them. Every query sees at least itself, so no row is fully masked.
+    visible = torch.cat(positions)[None, :] <= positions[rank][:, None]
+    return F.scaled_dot_product_attention(q, k_cat, v_cat, attn_mask=visible, scale=scale)

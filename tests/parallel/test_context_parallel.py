@@ -42,24 +42,40 @@ def _oracle():
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _run(rank: int, world: int, comm_type: str) -> dict:
+def _run(rank: int, world: int, comm_type: str, kernel: str = "auto", dtype: torch.dtype = torch.float32) -> dict:
     group = dist.group.WORLD
-    q, k, v, grad = (shard_sequence(t, rank, world, dim=2) for t in _inputs())
+    q, k, v, grad = (shard_sequence(t, rank, world, dim=2).to(dtype) for t in _inputs())
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(q, k, v, group, cp_comm_type=comm_type)
+    # Under CPU autocast as in a bf16-mixed model (the ring must not let autocast recast its fp32 merge).
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        out = context_parallel_attention(q, k, v, group, cp_comm_type=comm_type, block_kernel=kernel)
     out.backward(grad)
     return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+# p2p with "auto" runs PyTorch's fused CPU kernels in each ring step (v zero-padded to the key
+# width, D=8, Dv=6); "math" runs the fp32-matmul kernel that CUDA falls back to in fp32.
+@pytest.mark.parametrize(("comm_type", "kernel"), [("p2p", "auto"), ("p2p", "math"), ("all_gather", "auto")])
 @pytest.mark.parametrize("world", [1, 2, 4])  # 1: a CP group of one still runs the chunked path
-def test_context_parallel_attention_equals_full_attention(world, comm_type, tmp_path):
-    ranks = run_distributed(_run, world, comm_type, tmp_dir=tmp_path)
+def test_context_parallel_attention_equals_full_attention(world, comm_type, kernel, tmp_path):
+    ranks = run_distributed(_run, world, comm_type, kernel, tmp_dir=tmp_path)
     want = dict(zip(("out", "q", "k", "v"), _oracle()))
     for name, value in want.items():
         got = unshard_sequence([r[name] for r in ranks], dim=2)
         assert torch.isfinite(got).all(), name
         torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_bf16_context_parallel_attention_keeps_bf16_and_matches_fp32_attention(comm_type, tmp_path):
+    ranks = run_distributed(_run, 4, comm_type, "auto", torch.bfloat16, tmp_dir=tmp_path)
+    want = dict(zip(("out", "q", "k", "v"), _oracle()))
+    for name, value in want.items():
+        pieces = [r[name] for r in ranks]
+        assert all(p.dtype == torch.bfloat16 for p in pieces), (name, [p.dtype for p in pieces])
+        got = unshard_sequence(pieces, dim=2).float()
+        # bf16 inputs (8 bits of mantissa) against the fp32 oracle on the unrounded inputs.
+        torch.testing.assert_close(got, value, rtol=5e-2, atol=5e-2, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_load_balanced_chunks_cover_the_sequence_once_with_equal_causal_work():
