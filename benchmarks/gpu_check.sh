@@ -80,6 +80,7 @@ bench() {  # name, script, extra args...
 }
 
 bench moe_layer benchmarks/moe_layer.py
+bench cp_attention benchmarks/cp_attention.py --seq 8192 --batch 2 --heads 16 --head-dim 128
 # TODO(benchmarks issue): dispatch bytes/time on NCCL (benchmarks/dispatch.py has no GPU mode yet).
 bench dispatch benchmarks/dispatch.py
 # TODO(benchmarks issue): end-to-end tokens/s on GPU (benchmarks/train_throughput.py is CPU-only today).

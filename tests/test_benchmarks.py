@@ -120,6 +120,16 @@ def test_memory_grad_sync_smoke(tmp_path):
     assert output.read_text().strip().endswith(lines[-1])
 
 
+def test_cp_attention_smoke(tmp_path):
+    output = tmp_path / "cp_attention.md"
+    out = _run("cp_attention.py", "--seq", "64", "--heads", "2", "--head-dim", "16", "--rounds", "1",
+               "--output", str(output))
+    rows = _rows(out)
+    assert list(rows) == ["sdpa", "ring fused", "ring math", "all_gather"], list(rows)
+    assert _ratio(rows["sdpa"][2]) == 1.0
+    assert output.read_text().strip() == out.strip()
+
+
 def test_pipeline_bubble_smoke():
     # The measured bubble is noisy on shared cores; the smoke test checks the row and the theory only.
     out = _run("pipeline_bubble.py", "--schedules", "1F1B", "--microbatches", "4", "--rounds", "1")
