@@ -2,9 +2,10 @@
 
 Written for one device like any LightningModule; ``Trainer(strategy=MoEStrategy(...))`` makes it
 parallel. It logs what people look at while training a language model: ``train_loss`` (progress
-bar), ``val_loss`` and ``val_ppl`` (per target token, torchmetrics metrics), the learning rate and
-``tokens_per_sec`` (global tokens consumed per second of wall time). A micro-batch whose targets
-are all ``IGNORE_INDEX`` has loss 0 (no NaN, no gradient); an empty batch is refused.
+bar), ``val_loss`` and ``val_ppl`` (per target token, torchmetrics metrics; the same values under
+pipeline parallelism), the learning rate and ``tokens_per_sec`` (global tokens consumed per second
+of wall time). A micro-batch whose targets are all ``IGNORE_INDEX`` has loss 0 (no NaN, no
+gradient); an empty batch is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss, 
 from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean
 
-__all__ = ["MoELanguageModel", "TokenMeanLoss", "check_batch", "optimizer_param_groups"]
+__all__ = ["MoELanguageModel", "TokenMeanLoss", "TokenPerplexity", "check_batch", "optimizer_param_groups"]
 
 IGNORE_INDEX = -100
 
@@ -71,8 +72,9 @@ def check_batch(inputs: Tensor, targets: Tensor, stage: str, batch_idx: int) -> 
 class TokenMeanLoss(Metric):
     """Mean loss per target token over every batch (and rank) seen, for ``val_loss``.
 
-    ``update(mean_loss, num_targets)`` adds one batch. Weighting by the targets kept, as the
-    perplexity does, keeps a batch without any target (its loss is 0, see
+    ``update(mean_loss, num_targets)`` adds one batch (0-d tensors) or several micro-batches (1-d
+    tensors of one length: each micro-batch's mean loss and targets). Weighting by the targets
+    kept, as the perplexity does, keeps a batch without any target (its loss is 0, see
     :func:`~lightning_moe.models.transformer.next_token_loss`) from pulling the mean down, so
     ``val_ppl`` is ``exp(val_loss)`` up to rounding. NaN only when no batch had a target.
     """
@@ -90,13 +92,24 @@ class TokenMeanLoss(Metric):
         self.add_state("num_targets", torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, mean_loss: Tensor, num_targets: Tensor) -> None:
-        """Add one batch's mean loss over its ``num_targets`` targets (device tensors, no host read)."""
-        self.loss_sum += mean_loss.detach().float() * num_targets
-        self.num_targets += num_targets
+        """Add one batch's mean loss over its ``num_targets`` targets, or several micro-batches' (1-d
+        tensors), as device tensors (no host read)."""
+        self.loss_sum += (mean_loss.detach().float() * num_targets).sum()
+        self.num_targets += num_targets.sum()
 
     def compute(self) -> Tensor:
         """The token-weighted mean loss (fp32; NaN when no batch had a target)."""
         return self.loss_sum / self.num_targets
+
+
+class TokenPerplexity(TokenMeanLoss):
+    """``exp`` of :class:`TokenMeanLoss`: ``val_ppl`` under pipeline parallelism, where only the
+    micro-batch losses reach every rank (no logits for torchmetrics' ``Perplexity``, whose value is
+    the same up to rounding). NaN only when no batch had a target."""
+
+    def compute(self) -> Tensor:
+        """``exp`` of the token-weighted mean loss (fp32)."""
+        return super().compute().exp()
 
 
 def _resolve_config(
@@ -194,6 +207,7 @@ class MoELanguageModel(L.LightningModule):
         self.model: MoETransformer | None = None
         self.val_loss = TokenMeanLoss()
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+        self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
         self._step_started: float | None = None
 
     def configure_model(self) -> None:
@@ -274,9 +288,25 @@ class MoELanguageModel(L.LightningModule):
 
         The pipeline protocol of `MoEStrategy` (:mod:`lightning_moe.strategies.pipeline_step`): the
         strategy then runs the schedule instead of :meth:`training_step` and logs ``train_loss``
-        and ``val_loss`` itself.
+        itself, and instead of :meth:`validation_step` it calls :meth:`pipeline_validation_step`.
         """
         return self._loss(logits, targets)
+
+    def pipeline_validation_step(self, losses: Tensor, targets: Tensor, batch_idx: int) -> None:
+        """:meth:`validation_step` under pipeline parallelism: the same ``val_loss`` and ``val_ppl``.
+
+        ``losses`` are the ``M`` micro-batch losses of the batch (:meth:`pipeline_loss`, the same on
+        every rank), micro-batch ``m`` holding the ``m``-th of ``M`` equal slices of ``targets``
+        along dimension 0. Each weighs as many targets as it keeps (a micro-batch without targets,
+        loss 0, adds nothing), so ``val_loss`` is the mean per target token over every batch and
+        rank, as at PP=1; ``val_ppl`` is its ``exp`` (:class:`TokenPerplexity`), what
+        ``Perplexity`` gives at PP=1 up to rounding. Counted on the device: no host read.
+        """
+        kept = (targets != IGNORE_INDEX).reshape(losses.shape[0], -1).sum(1)
+        self.val_loss.update(losses, kept)
+        self.log("val_loss", self.val_loss, prog_bar=True)
+        self.val_pipeline_perplexity.update(losses, kept)
+        self.log("val_ppl", self.val_pipeline_perplexity)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Mean next-token cross-entropy of this rank's micro-batch (0 if every target is ignored)."""

@@ -28,7 +28,10 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
   gradients only exist then, so the division by the number of micro-batches follows the
   reduction instead of the schedule's ``scale_grads``;
 * the loss is computed on the rank holding the last stage and broadcast over the pipeline group,
-  so every rank returns the same mean loss.
+  so every rank returns the same values: :meth:`PipelineRunner.step` and
+  :meth:`PipelineRunner.eval` the mean of the micro-batch losses,
+  :meth:`PipelineRunner.eval_microbatches` the ``M`` losses themselves (one broadcast), for means
+  weighted by each micro-batch's number of targets.
 """
 
 from __future__ import annotations
@@ -276,6 +279,8 @@ class PipelineRunner:
             )
 
     def _run(self, inputs: Tensor, targets: Tensor, train: bool) -> Tensor:
+        """Run the schedule on one batch; the fp32 losses, the same on every rank: training their mean,
+        evaluation the ``[M]`` micro-batch losses."""
         self._check(inputs)
         schedule = self._schedule(inputs, train)
         args = (inputs,) if self.has_first else ()
@@ -287,9 +292,10 @@ class PipelineRunner:
         else:
             schedule.eval(*args, **kwargs)
         if self.has_last:
-            loss = torch.stack([loss.detach().float() for loss in losses]).mean()
+            loss = torch.stack([loss.detach().float() for loss in losses])
+            loss = loss.mean() if train else loss
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            loss = torch.zeros(() if train else self.num_microbatches, dtype=torch.float32, device=self.device)
         if self.pp > 1:
             dist.broadcast(loss, src=self._last_rank, group=self.group)
         return loss
@@ -331,5 +337,19 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Forward only (the schedule's ``eval``); returns the batch's mean loss on every rank."""
+        """Forward only (the schedule's ``eval``); returns the batch's mean loss on every rank.
+
+        The plain mean of :meth:`eval_microbatches`, as :meth:`step` returns it.
+        """
+        return self.eval_microbatches(inputs, targets).mean()
+
+    @torch.no_grad()
+    def eval_microbatches(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward only, as :meth:`eval`; returns the ``[M]`` fp32 micro-batch losses, the same on every rank.
+
+        Entry ``m`` is ``loss_fn`` of micro-batch ``m``: ``inputs[m * B // M : (m + 1) * B // M]``
+        and the same rows of ``targets`` (the schedule splits along dimension 0 in order). A mean
+        per target token weighs each by its number of targets (a micro-batch without targets then
+        counts for nothing), where :meth:`eval` weighs them equally.
+        """
         return self._run(inputs, targets, train=False)

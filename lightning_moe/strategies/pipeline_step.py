@@ -15,12 +15,27 @@ over the optimisation step's forward and backward:
   micro-batches, reduces the gradients once, and logs the loss from the last stage, identical
   on every rank, as ``train_loss``; the loop then clips (one global norm, over ``pp`` too) and
   steps as usual;
-* ``validation_step`` runs the forward-only schedule and logs ``val_loss``.
+* ``validation_step`` runs the forward-only schedule and hands the micro-batch losses to the
+  module's ``pipeline_validation_step`` (below), or logs their plain mean as ``val_loss``.
 
 Protocol of the LightningModule: batches are ``(inputs, targets)``; it defines
 ``pipeline_loss(outputs, targets) -> Tensor`` (one micro-batch's mean loss, on the last stage);
 the network to split is its one child that is a :class:`~lightning_moe.models.MoETransformer` or
 defines ``pipeline_parts()`` (:mod:`lightning_moe.parallel.pipeline_split`).
+
+Optionally it defines ``pipeline_validation_step(losses, targets, batch_idx)``, called on every
+rank in place of its ``validation_step`` (which needs the whole network) after the forward-only
+schedule of a validation batch: ``losses`` is an fp32 ``[M]`` tensor on the device, entry ``m``
+``pipeline_loss`` of micro-batch ``m``, identical on every rank (broadcast from the last stage);
+``targets`` is the batch's whole targets, of which micro-batch ``m`` holds the ``m``-th of ``M``
+equal slices along dimension 0. The hook logs what the module wants (with ``self.log``; it can
+count each micro-batch's targets on the device, without a host read, and weigh its loss by them,
+as :meth:`~lightning_moe.lit.MoELanguageModel.pipeline_validation_step` does for a ``val_loss``
+and ``val_ppl`` per target token equal to PP=1's); its return value is the step's output. Every
+rank holds the same values, so a metric summed over all ranks keeps its ratios. Without the
+hook the driver logs ``val_loss``: the plain mean of the micro-batch losses, averaged over the
+batches and ranks (``sync_dist=True``), which weighs a micro-batch with few targets as much as a
+full one.
 """
 
 from __future__ import annotations
@@ -155,10 +170,17 @@ class PipelineDriver:
                   for i, group in enumerate(state["param_groups"])]
         return {**state, "param_groups": merged}
 
-    def validation_step(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
-        """The forward-only schedule; logs ``val_loss`` (the last stage's, on every rank)."""
+    def validation_step(self, strategy: Any, batch: Any, batch_idx: int) -> Any:
+        """The forward-only schedule; its micro-batch losses (the last stage's, on every rank) go to the
+        module's ``pipeline_validation_step`` (returns what it returns), or their mean is logged as
+        ``val_loss`` and returned (see the module docstring)."""
         assert self.runner is not None
         with strategy.precision_plugin.val_step_context():
-            loss = self.runner.eval(batch[0], batch[1])
-        strategy.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
+            losses = self.runner.eval_microbatches(batch[0], batch[1])
+        module = strategy.lightning_module
+        hook = getattr(module, "pipeline_validation_step", None)
+        if callable(hook):
+            return hook(losses, batch[1], batch_idx)
+        loss = losses.mean()
+        module.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
