@@ -224,7 +224,8 @@ class MoETransformer(nn.Module):
         are drawn in fp32 on the CPU from :func:`init_generator` of each module's qualified name
         and copied in, so they do not depend on the parameters' device or dtype.
         """
-        if self.embed.weight.is_meta:
+        # A pipeline stage's trimmed model may have no embedding: any parameter tells.
+        if next(self.parameters()).is_meta:
             raise RuntimeError(
                 "reset_parameters() on a meta-device model has nothing to write to; call "
                 "model.to_empty(device=...) first."

@@ -114,10 +114,12 @@ def prepare_model(
     :func:`~lightning_moe.parallel.parallelize`.
 
     ``split`` (pipeline parallelism) trims the model to this rank's stages between the layout and
-    the sharding: the whole model is broadcast, parallelized without sharding and materialised
-    (a trimmed model can no longer draw its weights from the seeds), then split, and then only
-    the modules ``split`` returns are sharded (:func:`shard_split_model`): FSDP2 cannot drop
-    parameters once sharded, and the stages never call the model's own ``forward``.
+    the sharding: the whole model is broadcast (a meta-device model only its seeds) and
+    parallelized without sharding, then split, then materialised (only this rank's stages get
+    storage; the reference model draws each weight from its global name, so the values are those
+    of the whole model), and then only the modules ``split`` returns are sharded
+    (:func:`shard_split_model`): FSDP2 cannot drop parameters once sharded, and the stages never
+    call the model's own ``forward``.
     """
     move_materialized(model, device)
     broadcast_initial_state(model)
@@ -127,8 +129,10 @@ def prepare_model(
     else:
         check_fully_shard(model, ctx, sharding_strategy)  # before anything changes
         parallelize(model, ctx, **options)
-        materialize(model, device)
-        shard_split_model(model, split(model), ctx, sharding_strategy, mp_policy)
+        units = split(model)
+        # The ranks of one pipeline stage hold the same modules: replicated tensors agree within it.
+        materialize(model, device, group=ctx.group("tp_dp_cp"))
+        shard_split_model(model, units, ctx, sharding_strategy, mp_policy)
     return agree_on_cpu_gemm(model) if device.type == "cpu" else {}
 
 
@@ -184,12 +188,14 @@ def prepare_model_once(
     return choices
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, group=None) -> None:
     """Give meta-device parameters storage on ``device`` and initialise them.
 
     The reference transformer and MoE layers re-draw every weight of their subtree from their
     seeds (experts from their global index); other modules use their own ``reset_parameters()``,
-    which draw from each rank's own RNG, so the replicated tensors are then broadcast from rank 0.
+    which draw from each rank's own RNG, so the replicated tensors are then broadcast from the
+    first rank of ``group`` (None: the default group; a pipeline stage's ranks under PP, whose
+    models hold different modules).
     """
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
@@ -206,8 +212,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
         ):
             module.reset_parameters()
     if dist.is_initialized():
+        source = 0 if group is None else dist.get_global_rank(group, 0)
         with torch.no_grad():
             for tensor in (*model.parameters(), *model.buffers()):
                 # Expert shards differ per rank and DTensors were drawn from seeds: leave both.
                 if not is_expert_param(tensor) and not isinstance(tensor, DTensor):
-                    dist.broadcast(tensor.data, src=0)
+                    dist.broadcast(tensor.data, src=source, group=group)

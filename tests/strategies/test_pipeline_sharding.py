@@ -15,8 +15,9 @@ NO_SHARD, and a PP=1 checkpoint loaded at PP=2 x FULL_SHARD, give bitwise the sa
 PP=2 x TP=2 (EP=2, ETP=1, DP=1) with FULL_SHARD equals the same run with NO_SHARD (the
 tensor-parallel-partial gradients of the trimmed, sharded stages are summed over tp).
 
-Meta device: a model built on the meta device trains as the materialised one (it is materialised
-whole on each rank before the trim, then sharded).
+Meta device: a model built on the meta device trains as the materialised one. Each rank gives
+storage only to its own stages (materialised after the trim, before the sharding): the
+parameters that ``to_empty`` allocates are exactly the rank's stages', fewer than the model's.
 """
 
 from __future__ import annotations
@@ -72,18 +73,28 @@ def _fit(schedule: str, sharding: str, pp: int = 2, steps: int = STEPS, ckpt_pat
         with torch.device("meta"):
             module.configure_model()
     measure, count = Measure(1), CountReductions()
+    materialised: list[int] = []  # parameters given storage by each to_empty of the whole module
+    to_empty = torch.nn.Module.to_empty
+
+    def counting_to_empty(self, *args, **kwargs):
+        if isinstance(self, L.LightningModule):
+            materialised.append(sum(p.numel() for p in self.parameters()))
+        return to_empty(self, *args, **kwargs)
+
     strategy = MoEStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, num_microbatches=M if pp > 1 else None,
                            sharding_strategy=sharding, **sizes)
     trainer = L.Trainer(**quiet_trainer_kwargs(
         devices=4, strategy=strategy, max_steps=steps, callbacks=[measure, count], gradient_clip_val=CLIP,
         limit_val_batches=1,
     ))
-    with mock.patch.object(_fsdp_param_group, "foreach_reduce", count.counted):
+    with mock.patch.object(_fsdp_param_group, "foreach_reduce", count.counted), \
+            mock.patch.object(torch.nn.Module, "to_empty", counting_to_empty):
         trainer.fit(module, DataLoader(dataset(2 * STEPS * BATCH), batch_size=BATCH),
                     DataLoader(dataset(2 * BATCH), batch_size=BATCH), ckpt_path=ckpt_path)
     return {
         "losses": torch.tensor(measure.losses), "val_loss": trainer.callback_metrics.get("val_loss"),
         "units": sum(isinstance(m, FSDPModule) for m in module.modules()), "reductions": count.per_step,
+        "materialised": materialised, "params": sum(p.numel() for p in module.parameters()),  # global shapes
         "state": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                   for k, v in module.state_dict().items()},
     }, trainer
@@ -103,7 +114,7 @@ def _runs(rank: int, world_size: int, tmp: str) -> dict:
     # PP=1 -> PP=2 x FULL_SHARD.
     saved, trainer = _fit("1F1B", "NO_SHARD", pp=1, steps=1)
     trainer.save_checkpoint(f"{tmp}/pp1.ckpt")
-    out["pp1_saved"] = saved["state"]
+    out["pp1_saved"], out["pp1_params"] = saved["state"], saved["params"]
     out["pp2_loaded"] = _fit("1F1B", "FULL_SHARD", steps=1, ckpt_path=f"{tmp}/pp1.ckpt")[0]["state"]
     return out
 
@@ -150,8 +161,11 @@ def test_sharded_pipeline_checkpoint_resumes_across_layouts(ranks):
 
 
 def test_meta_device_model_under_sharded_pipeline(ranks):
+    whole = ranks[0]["pp1_params"]
     for rank, result in enumerate(ranks):
         got, want = result["meta"], result[("1F1B", "NO_SHARD")]
+        # Only this rank's stages were given storage, not the whole model.
+        assert got["materialised"] == [got["params"]] and got["params"] < whole, (rank, got["materialised"], whole)
         torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, r=rank: f"rank {r} losses: {m}")
         assert got["state"].keys() == want["state"].keys(), rank
