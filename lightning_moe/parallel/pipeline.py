@@ -61,6 +61,7 @@ from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.pipeline_split import (
     StageModule,
     layer_split,
+    num_blocks_before_trim,
     pipeline_parts_of,
     stage_indices,
     stage_to_rank,
@@ -178,19 +179,19 @@ class PipelineRunner:
         self.device = device
         self.loss_fn = loss_fn
         parts = pipeline_parts_of(model)
-        num_blocks = len(getattr(model, parts.blocks))
+        num_blocks = num_blocks_before_trim(model, parts)  # a model trimmed by an earlier run counts them all
         self.num_stages = self.pp * self.virtual_stages
         counts = layer_split(num_blocks, self.num_stages, split)
         starts = [sum(counts[:s]) for s in range(self.num_stages)]
         self.style = PIPELINE_SCHEDULES[schedule][2]
         self.stage_ids = stage_indices(self.pp_rank, self.pp, self.virtual_stages, self.style)
         last = self.num_stages - 1
+        block_ids = {i for s in self.stage_ids for i in range(starts[s], starts[s] + counts[s])}
+        trim_to_stages(model, parts, block_ids, 0 in self.stage_ids, last in self.stage_ids)
         self.modules = [
             StageModule(model, parts, list(range(starts[s], starts[s] + counts[s])), s == 0, s == last)
             for s in self.stage_ids
         ]
-        block_ids = {i for s in self.stage_ids for i in range(starts[s], starts[s] + counts[s])}
-        trim_to_stages(model, parts, block_ids, 0 in self.stage_ids, last in self.stage_ids)
         self.has_first = 0 in self.stage_ids
         self.has_last = last in self.stage_ids
         self._last_rank = dist.get_global_rank(self.group, stage_to_rank(last, self.pp, self.style))

@@ -37,8 +37,8 @@ from lightning_moe.models import MoETransformer
 from lightning_moe.models.rope import rotary_cos_sin
 
 __all__ = [
-    "PipelineParts", "StageModule", "layer_split", "pipeline_parts_of", "stage_indices", "stage_to_rank",
-    "trim_to_stages",
+    "PipelineParts", "StageModule", "TrimRecord", "layer_split", "num_blocks_before_trim", "pipeline_parts_of",
+    "stage_indices", "stage_to_rank", "trim_record", "trim_to_stages",
 ]
 
 
@@ -176,11 +176,50 @@ class StageModule(nn.Module):
         return x.to_local() if isinstance(x, DTensor) else x
 
 
+@dataclass(frozen=True)
+class TrimRecord:
+    """What :func:`trim_to_stages` kept of a model: its block count before, the kept block indices and pieces."""
+
+    num_blocks: int
+    block_ids: frozenset[int]
+    first: bool
+    last: bool
+
+
+_TRIM_ATTR = "_lightning_moe_pipeline_trim"
+
+
+def trim_record(model: nn.Module) -> TrimRecord | None:
+    """How ``model`` was trimmed to pipeline stages (:func:`trim_to_stages`), None if it was not."""
+    return getattr(model, _TRIM_ATTR, None)
+
+
+def num_blocks_before_trim(model: nn.Module, parts: PipelineParts) -> int:
+    """The number of blocks of the whole model, trimmed or not."""
+    record = trim_record(model)
+    return record.num_blocks if record is not None else len(getattr(model, parts.blocks))
+
+
 def trim_to_stages(model: nn.Module, parts: PipelineParts, block_ids: set[int], first: bool, last: bool) -> None:
-    """Drop from ``model`` every block and piece not in this rank's stages (global names kept)."""
+    """Drop from ``model`` every block and piece not in this rank's stages (global names kept).
+
+    A model trimmed already (a second ``fit``, or a new Trainer and strategy) is left as it is if
+    it holds exactly these stages; otherwise ``ValueError``: the dropped modules are gone.
+    """
+    wanted = TrimRecord(num_blocks_before_trim(model, parts), frozenset(block_ids), first, last)
+    record = trim_record(model)
+    if record is not None:
+        if record != wanted:
+            raise ValueError(
+                f"This model was trimmed to pipeline stages by an earlier run: it holds blocks "
+                f"{sorted(record.block_ids)} of {record.num_blocks} (first pieces: {record.first}, last pieces: "
+                f"{record.last}), but this layout needs blocks {sorted(block_ids)} (first: {first}, last: {last}) "
+                "on this rank. Use the earlier pipeline layout, or load a checkpoint into a fresh model "
+                "(checkpoints reshard across layouts)."
+            )
+        return
     blocks = getattr(model, parts.blocks)
-    if isinstance(blocks, nn.ModuleDict):
-        return  # trimmed already (a second fit)
     setattr(model, parts.blocks, nn.ModuleDict({str(i): b for i, b in enumerate(blocks) if i in block_ids}))
     for name in (*(() if first else parts.first), *(() if last else parts.last)):
         setattr(model, name, None)
+    setattr(model, _TRIM_ATTR, wanted)

@@ -174,7 +174,8 @@ def prepare_model_once(
     if applied is not None:
 
         def sizes(dims, name: str, sharding: str) -> str:
-            return f"TP={dims.tp}, CP={dims.cp}, EP={dims.ep}, ETP={dims.etp}, dispatcher={name}, sharding_strategy={sharding}"
+            return (f"TP={dims.tp}, CP={dims.cp}, DP={dims.dp}, PP={dims.pp}, EP={dims.ep}, ETP={dims.etp}, "
+                    f"dispatcher={name}, sharding_strategy={sharding}")
 
         raise ValueError(
             f"This LightningModule was already parallelized with {sizes(*applied)} and cannot be "

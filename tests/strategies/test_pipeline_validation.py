@@ -54,9 +54,10 @@ class WithoutHook(MoELanguageModel):
     pipeline_validation_step = None
 
 
-def validate(strategy: MoEStrategy, devices: int, cls: type = MoELanguageModel) -> tuple[dict, MoELanguageModel]:
+def validate(strategy: MoEStrategy, devices: int, cls: type = MoELanguageModel,
+             module: MoELanguageModel | None = None) -> tuple[dict, MoELanguageModel]:
     torch.manual_seed(0)
-    module = cls(model_config())
+    module = cls(model_config()) if module is None else module
     trainer = L.Trainer(**quiet_trainer_kwargs(devices=devices, strategy=strategy))
     (metrics,) = trainer.validate(module, DataLoader(dataset(), batch_size=BATCH), verbose=False)
     return {k: torch.as_tensor(v) for k, v in metrics.items()}, module
@@ -79,7 +80,14 @@ def _pipeline(rank: int, world_size: int) -> dict:
     def strategy() -> MoEStrategy:
         return MoEStrategy(pipeline_parallel_size=2, pipeline_schedule="1F1B", num_microbatches=M)
 
-    metrics = validate(strategy(), 2)[0]
+    metrics, module = validate(strategy(), 2)
+    # The same (now trimmed) module under a new Trainer and strategy of the same layout.
+    metrics["again"] = validate(strategy(), 2, module=module)[0]
+    try:  # another layout cannot use a model trimmed to this one's stages
+        validate(MoEStrategy(), 2, module=module)
+        metrics["other layout"] = "no error"
+    except ValueError as err:
+        metrics["other layout"] = str(err)
     metrics["fallback"] = validate(strategy(), 2, WithoutHook)[0]
     return metrics
 
@@ -113,3 +121,13 @@ def test_module_without_hook_gets_the_plain_mean(runs):
         got = result["fallback"]
         assert set(got) == {"val_loss"}, f"rank {rank}: {sorted(got)}"
         torch.testing.assert_close(got["val_loss"], want["micro_mean"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_trimmed_module_validates_again_under_a_new_strategy(runs):
+    for rank, result in enumerate(runs[1]):
+        got = result["again"]
+        assert set(got) == {"val_loss", "val_ppl"}, f"rank {rank}: {sorted(got)}"
+        torch.testing.assert_close(got["val_loss"], result["val_loss"], rtol=0, atol=0)
+        # DP=2 x PP=1 on a module parallelized (and trimmed) at PP=2: refused, naming both layouts.
+        assert "DP=1, PP=2" in result["other layout"] and "DP=2, PP=1" in result["other layout"], (
+            rank, result["other layout"])
