@@ -19,7 +19,14 @@ the loggers directly, under the same row number and with the epoch, as Lightning
 Works with any strategy: under ``MoEStrategy`` the counts are summed over the ranks of a pipeline
 stage (``tp_dp_cp``) with the losses reduced as Megatron Core reports them; elsewhere over the
 default process group (DDP) or not at all (one device). See
-:mod:`lightning_moe.metrics.load_balance` for why those groups give single-device counts.
+:mod:`lightning_moe.metrics.load_balance` for why those groups give single-device counts. Under
+pipeline parallelism (``MoEStrategy(pipeline_parallel_size > 1)``) each rank holds only its
+stages' layers: they keep their numbers in the whole model
+(:func:`~lightning_moe.metrics.layer_rows.global_layer_rows`, one gather over ``pp`` when training
+starts) and each report sums the stages' rows over ``pp`` too, so every rank, the logging rank 0
+included, reports every MoE layer of the model, with the names and values of one process running
+the same micro-batches (the means and maxima over layers taken over all of them). A stage without
+MoE layers joins the collectives all the same.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from lightning_moe.metrics.heatmap import (
     render_heatmap,
     save_heatmap,
 )
+from lightning_moe.metrics.layer_rows import global_layer_rows
 from lightning_moe.metrics.load_balance import (
     ExpertLoadMetric,
     flatten_for_logging,
@@ -87,8 +95,10 @@ class LoadBalanceMonitor(Callback):
     ``moe/dispatch_bytes``, ``moe/combine_bytes``, the losses the routers record under Megatron's
     names (``moe/load_balancing_loss``, ``moe/seq_load_balancing_loss``,
     ``moe/global_load_balancing_loss``, ``moe/z_loss``; coefficient-free, mean over layers), and
-    per layer ``moe/layer_<i>/imbalance`` etc. Each value covers the window since the previous
-    report, summed over micro-batches and ranks; the row (logger step) of optimizer step ``k`` is
+    per layer ``moe/layer_<i>/imbalance`` etc., ``i`` the layer's number among the model's MoE
+    layers (``modules()`` order; under pipeline parallelism the same numbers, whichever stage holds
+    the layer). Each value covers the window since the previous report, summed over micro-batches
+    and ranks (every pipeline stage's layers included); the row (logger step) of optimizer step ``k`` is
     ``k - 1``, as for ``self.log`` (module docstring). The same values are put in
     ``trainer.callback_metrics`` (so ``ModelCheckpoint`` can monitor them) and in
     :attr:`last_metrics`; :attr:`last_result` holds the metric's tensors (every rank) and
@@ -125,6 +135,7 @@ class LoadBalanceMonitor(Callback):
         self.last_result: dict[str, Tensor] = {}
         self.heatmap_paths: list[Path] = []
         self._layers: list[MoELayer] = []
+        self._rows: list[int] = []  # the metric row (layer number in the whole model) of each of _layers
         self._metric: ExpertLoadMetric | None = None
         self._last_report_step = 0
         self._pending_bytes: list[list[int]] = []
@@ -144,10 +155,18 @@ class LoadBalanceMonitor(Callback):
         self._layers = moe_layers(pl_module)
         self._metric = None
         self._last_window = self._heatmap_step = None
-        if not self._layers:
+        # Read before the check for layers: under PP a rank without MoE layers still numbers the others'.
+        ctx = getattr(getattr(trainer, "strategy", None), "parallel_context", None)  # trainer None: no Trainer
+        pipeline = ctx.group("pp") if ctx is not None and ctx.size("pp") > 1 else None
+        if pipeline is None:
+            self._rows = list(range(len(self._layers)))
+            layer_experts = [layer.config.num_experts for layer in self._layers]
+        else:  # this rank holds its stages' layers only: number them in the whole model (collective over pp)
+            self._rows, layer_experts = global_layer_rows(pl_module, self._layers, pipeline)
+        if not layer_experts:
             rank_zero_warn("LoadBalanceMonitor: the LightningModule has no MoELayer; nothing will be logged.")
             return
-        experts = {layer.config.num_experts for layer in self._layers}
+        experts = set(layer_experts)
         if len(experts) != 1:
             raise ValueError(
                 f"LoadBalanceMonitor needs the same num_experts in every MoE layer (one heatmap row per layer), "
@@ -161,13 +180,13 @@ class LoadBalanceMonitor(Callback):
                     f"installed, so no expert-load heatmap will be drawn (the scalars are logged as usual); "
                     f"{HEATMAP_EXTRA_HINT}."
                 )
-        ctx = getattr(trainer.strategy, "parallel_context", None)
         if ctx is not None:
             group, dp, tp_cp = ctx.group("tp_dp_cp"), ctx.size("dp"), ctx.size("tp_cp")
         else:  # one device, or plain data parallelism over the default group
             group, dp, tp_cp = None, max(1, trainer.world_size), 1
         self._metric = ExpertLoadMetric(
-            len(self._layers), experts.pop(), process_group=group, data_parallel_size=dp, tp_cp_size=tp_cp
+            len(layer_experts), experts.pop(), process_group=group, data_parallel_size=dp, tp_cp_size=tp_cp,
+            pipeline_group=pipeline,
         ).to(pl_module.device)
         for layer in self._layers:  # drop whatever was recorded before training started
             read_layer_stats(layer, reset=True)
@@ -237,7 +256,11 @@ class LoadBalanceMonitor(Callback):
             stats["dispatch_bytes"] = stats.get("dispatch_bytes", 0) + self._pending_bytes[index][0]
             stats["combine_bytes"] = stats.get("combine_bytes", 0) + self._pending_bytes[index][1]
             self._pending_bytes[index] = [0, 0]
-            metric.update(index, **stats)
+            metric.update(self._rows[index], **stats)
+        if not self._layers:
+            # A pipeline stage of dense blocks only still joins the report's collectives; an empty
+            # update (it adds zeros) keeps torchmetrics from warning that compute() came first.
+            metric.update(0)
 
     def _report(self, trainer: Trainer, step: int, row: int, pl_module: LightningModule | None) -> None:
         """Sum the window over the ranks (a collective: every rank calls it) and log it on ``row``.

@@ -20,6 +20,13 @@ the whole global batch. The same holds for data parallelism without ``MoEStrateg
 world group). (``MoEStrategy`` refuses TP > 1 for MoE layers outside the reference model's
 tensor-parallel plan, which would route the same tokens on every TP rank.)
 
+Under pipeline parallelism a rank holds only its stages' layers. Every rank then keeps a row for
+every layer of the model (numbered as the whole model numbers them:
+:func:`~lightning_moe.metrics.layer_rows.global_layer_rows`) and fills only its own; with
+``pipeline_group`` (the ``pp`` group) ``compute()`` first sums the rows over it (the other
+stages' rows are zero on this rank, so the sum is exact and the loss counts' maximum is the owning
+stage's), then over ``process_group`` as above: every rank gets the report of the whole model.
+
 Loss values follow Megatron-LM's tracker (``save_to_aux_losses_tracker``,
 ``reduce_aux_losses_tracker_across_ranks`` and ``track_moe_metrics`` in
 ``megatron/core/transformer/moe/moe_utils.py``): per rank the mean over the recorded
@@ -37,8 +44,11 @@ import functools
 from collections.abc import Callable, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_max
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import LOGGED_LOSS_NAMES
@@ -87,6 +97,10 @@ class ExpertLoadMetric(Metric):
         data_parallel_size: dense DP size (the divisor of the load-balancing losses).
         tp_cp_size: TP x CP size; ``tp_cp_size * data_parallel_size`` must be the size of
             ``process_group`` (the divisor of the z-loss).
+        pipeline_group: under pipeline parallelism, the ``pp`` group: ``num_layers`` is then the
+            whole model's count, each rank updates the rows of its stages' layers, and
+            ``compute()`` sums the rows over this group before ``process_group`` (module
+            docstring). None (default): no pipeline stages.
         kwargs: torchmetrics ``Metric`` options (``sync_on_compute``, ``dist_sync_fn``, ...).
 
     ``update(layer, stats=None, loss_sums=None, loss_counts=None, dispatch_bytes=0, combine_bytes=0)``
@@ -130,9 +144,11 @@ class ExpertLoadMetric(Metric):
         process_group=None,
         data_parallel_size: int = 1,
         tp_cp_size: int = 1,
+        pipeline_group: dist.ProcessGroup | None = None,
         **kwargs,
     ) -> None:
         super().__init__(process_group=process_group, **kwargs)
+        self.pipeline_group = pipeline_group
         if num_layers < 1 or num_experts < 1 or data_parallel_size < 1 or tp_cp_size < 1:
             raise ValueError(
                 f"ExpertLoadMetric needs positive sizes, got num_layers={num_layers}, num_experts="
@@ -200,6 +216,19 @@ class ExpertLoadMetric(Metric):
             return self._restore_shapes(wrapped(*args, **kwargs))
 
         return with_shapes
+
+    def _sync_dist(self, dist_sync_fn: Callable = gather_all_tensors, process_group=None) -> None:
+        """torchmetrics' sync over ``process_group``, once the other pipeline stages' rows are summed in.
+
+        One in-place all-reduce per state over ``pipeline_group`` (sum, the loss counts' max), in
+        the states' fixed order on every rank. torchmetrics calls this hook after caching the local
+        states, so ``unsync`` still restores this rank's own rows after ``compute()``.
+        """
+        if self.pipeline_group is not None:
+            for name, reduction in self._reductions.items():  # add_state's "max" / "sum"
+                op = dist.ReduceOp.MAX if reduction is dim_zero_max else dist.ReduceOp.SUM
+                dist.all_reduce(getattr(self, name), op=op, group=self.pipeline_group)
+        super()._sync_dist(dist_sync_fn, process_group=process_group)
 
     def _restore_shapes(self, result: dict[str, Tensor]) -> dict[str, Tensor]:
         layers, experts = self.num_layers, self.num_experts
