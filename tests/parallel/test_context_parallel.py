@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers.dist import run_distributed
 
+from lightning_moe.memory import SavedTensorCounter
 from lightning_moe.parallel.context_parallel import (
     context_parallel_attention,
     load_balanced_positions,
@@ -76,6 +77,22 @@ def test_bf16_context_parallel_attention_keeps_bf16_and_matches_fp32_attention(c
         got = unshard_sequence(pieces, dim=2).float()
         # bf16 inputs (8 bits of mantissa) against the fp32 oracle on the unrounded inputs.
         torch.testing.assert_close(got, value, rtol=5e-2, atol=5e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _saved_bytes(rank: int, world: int) -> tuple[int, int]:
+    q, k, v, _ = (shard_sequence(t, rank, world, dim=2).requires_grad_() for t in _inputs())
+    counter = SavedTensorCounter()
+    with counter:
+        out = context_parallel_attention(q, k, v, dist.group.WORLD, cp_comm_type="p2p")
+    saved = sum(counter.saved_bytes().values())
+    lse_bytes = out.numel() // out.shape[-1] * 4  # one fp32 log-sum-exp per query row
+    return saved, sum(t.nbytes for t in (q, k, v, out)) + lse_bytes
+
+
+def test_ring_saves_only_its_inputs_output_and_log_sum_exp(tmp_path):
+    # Memory: no per-step scores or probabilities survive the forward (O(S_local), not O(S_local x S)).
+    for saved, expected in run_distributed(_saved_bytes, 2, tmp_dir=tmp_path):
+        assert saved == expected, (saved, expected)
 
 
 def test_load_balanced_chunks_cover_the_sequence_once_with_equal_causal_work():
