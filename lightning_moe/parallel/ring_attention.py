@@ -75,32 +75,41 @@ def _block(rank: int, step: int, size: int, seq_local: int):
     return slice(half, seq_local), everything, False
 
 
+def _ring_steps(k: Tensor, v: Tensor, group, q_heads: int):
+    """Walk the ring: yield ``(step, query rows, key rows, causal, k block, v block)`` per step.
+
+    The K/V blocks are repeated to ``q_heads`` heads for the kernel. The next hop is posted before
+    the step is yielded and awaited when the caller asks for the next one, so the exchange runs
+    while the caller computes.
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    repeat = q_heads // k.shape[1]
+    buffer = _pack(k, v)
+    for step in range(size):
+        hop = _Hop(buffer, group, _KV_TAG) if step + 1 < size else None
+        k_block, v_block = _unpack(buffer, k.shape, v.shape)
+        rows, keys, causal = _block(rank, step, size, k.shape[2])
+        yield step, rows, keys, causal, _repeat(k_block[:, :, keys], repeat), _repeat(v_block[:, :, keys], repeat)
+        if hop is not None:
+            buffer = hop.wait()
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group, scale: float, kernel_name: str) -> Tensor:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
         batch, heads, seq_local, _ = q.shape
-        repeat = heads // k.shape[1]
         kernel = select_block_kernel(q, v, kernel_name)
         out = q.new_zeros((batch, heads, seq_local, v.shape[-1]), dtype=torch.float32)
         lse = q.new_full((batch, heads, seq_local), float("-inf"), dtype=torch.float32)
-        buffer, saved = _pack(k, v), []
+        saved = []
         with torch.autocast(q.device.type, enabled=False):
-            for step in range(size):
-                hop = _Hop(buffer, group, _KV_TAG) if step + 1 < size else None
-                k_block, v_block = _unpack(buffer, k.shape, v.shape)
-                rows, keys, causal = _block(rank, step, size, seq_local)
-                block_out, block_lse, kernel_saved = kernel.forward(
-                    q[:, :, rows], _repeat(k_block[:, :, keys], repeat), _repeat(v_block[:, :, keys], repeat),
-                    causal, scale,
-                )
+            for _, rows, _, causal, k_block, v_block in _ring_steps(k, v, group, heads):
+                block_out, block_lse, kernel_saved = kernel.forward(q[:, :, rows], k_block, v_block, causal, scale)
                 saved.append(kernel_saved)
                 merged = torch.logaddexp(lse[:, :, rows], block_lse)
                 out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).unsqueeze(-1)
                                    + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
                 lse[:, :, rows] = merged
-                if hop is not None:
-                    buffer = hop.wait()
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.group, ctx.scale, ctx.kernel, ctx.kernel_saved = group, scale, kernel, saved
@@ -110,20 +119,15 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale, kernel = ctx.group, ctx.scale, ctx.kernel
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        seq_local, repeat = q.shape[2], q.shape[1] // k.shape[1]
+        repeat = q.shape[1] // k.shape[1]
         grad = grad.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
-        buffer, grad_hop = _pack(k, v), None
+        grad_hop = None
         with torch.autocast(q.device.type, enabled=False):
-            for step in range(size):
-                hop = _Hop(buffer, group, _KV_TAG) if step + 1 < size else None
-                k_block, v_block = _unpack(buffer, k.shape, v.shape)
-                rows, keys, causal = _block(rank, step, size, seq_local)
+            for step, rows, keys, causal, k_block, v_block in _ring_steps(k, v, group, q.shape[1]):
                 block_dq, block_dk, block_dv = kernel.backward(
-                    grad[:, :, rows], q[:, :, rows], _repeat(k_block[:, :, keys], repeat),
-                    _repeat(v_block[:, :, keys], repeat), out[:, :, rows], lse[:, :, rows], ctx.kernel_saved[step],
-                    causal, scale,
+                    grad[:, :, rows], q[:, :, rows], k_block, v_block, out[:, :, rows], lse[:, :, rows],
+                    ctx.kernel_saved[step], causal, scale,
                 )
                 dq[:, :, rows] += block_dq.float()
                 dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -133,10 +137,8 @@ class _RingAttention(torch.autograd.Function):
                 block_grads = _pack(dk, dv)
                 if grad_hop is not None:  # the gradient of this K/V block accumulated by the ranks before
                     block_grads += grad_hop.wait()
-                if hop is not None:
-                    buffer = hop.wait()
                 # Follows the K/V block: after the last step it reaches the block's owner.
-                grad_hop = _Hop(block_grads, group, _GRAD_TAG) if size > 1 else None
+                grad_hop = _Hop(block_grads, group, _GRAD_TAG) if dist.get_world_size(group) > 1 else None
         own = grad_hop.wait() if grad_hop is not None else block_grads
         dk, dv = _unpack(own, k.shape, v.shape)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
