@@ -42,7 +42,8 @@ class _Hop:
     def __init__(self, x: Tensor, group, tag: int) -> None:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group)
-        self.received = torch.empty_like(x)
+        # Held until wait(): the caching allocator must not hand the buffers out while the transfer runs.
+        self.sent, self.received = x, torch.empty_like(x)
         self.requests = dist.batch_isend_irecv([
             dist.P2POp(dist.isend, x, ranks[(rank + 1) % size], group, tag),
             dist.P2POp(dist.irecv, self.received, ranks[(rank - 1) % size], group, tag),
@@ -51,6 +52,7 @@ class _Hop:
     def wait(self) -> Tensor:
         for request in self.requests:
             request.wait()
+        self.sent = None
         return self.received
 
 
