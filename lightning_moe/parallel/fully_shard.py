@@ -8,11 +8,12 @@ over the data-parallel ranks of their own mesh (docs/architecture.md §10):
   ``fully_shard`` unit per MoE layer's experts, sharded on the hidden dimension H (neither the
   expert dimension, which EP splits, nor F, which ETP splits), so the global state-dict view stays
   one regular DTensor sharding;
-* everything else over the dense data-parallel group ``dp`` (x ``cp``): one unit per transformer
+* everything else over the dense data-parallel ranks ``dp`` x ``cp`` (:func:`dense_shard_mesh`:
+  one flattened mesh dimension ``dp_cp`` when ``cp > 1``): one unit per transformer
   block of the reference :class:`~lightning_moe.models.MoETransformer` (or per
   :class:`~lightning_moe.layers.MoELayer` of a user model), then one unit per top-level module
   for what is left (embedding, final norm, head). Tensor-parallel DTensors get FSDP's 2-D
-  ``(dp, tp)`` sharding.
+  ``(dp, tp)`` (``(dp_cp, tp)``) sharding.
 
 Gradients keep today's scaling: every unit sums (``set_force_sum_reduction_for_comms``: gloo has
 no pre-multiplied sum) and divides by the dense data-parallel size ``DP * CP``, experts included
@@ -44,6 +45,7 @@ __all__ = [
     "apply_fully_shard",
     "check_fully_shard",
     "check_sharding_strategy",
+    "dense_shard_mesh",
     "fully_sharded_modules",
     "record_tp_partial_params",
     "tp_partial_params",
@@ -97,11 +99,6 @@ def check_fully_shard(model: nn.Module, ctx: ParallelContext, sharding_strategy:
     check_sharding_strategy(sharding_strategy)
     if sharding_strategy == "NO_SHARD":
         return
-    if ctx.size("cp") > 1:
-        raise ValueError(
-            f"sharding_strategy={sharding_strategy!r} does not combine with context_parallel_size > 1 yet; "
-            "use sharding_strategy='NO_SHARD' or context_parallel_size=1."
-        )
     own = [n for n, _ in model.named_parameters(recurse=False)]
     if own:
         raise ValueError(
@@ -119,6 +116,24 @@ def check_fully_shard(model: nn.Module, ctx: ParallelContext, sharding_strategy:
                 f"hidden size {hidden}, which EDP must divide. Choose EP/ETP so that EDP = world / "
                 f"(PP * EP * ETP) divides {hidden}, or use sharding_strategy='NO_SHARD'."
             )
+
+
+def dense_shard_mesh(ctx: ParallelContext) -> DeviceMesh:
+    """The 1-D mesh the dense parameters are sharded over: ``dp``, or ``dp`` x ``cp`` flattened.
+
+    Every CP rank computes the gradients of its own chunks of the sequences, so under context
+    parallelism the dense gradients reduce over DP x CP, as ``GradSync`` does without sharding,
+    and the shards split over those ranks too. FSDP2 shards plainly over a 1-D mesh (a 2-D one
+    would be HSDP: replicated over its first dimension), so ``dp`` and ``cp`` become one dimension
+    ``dp_cp`` of the dense mesh, whose ranks are the ``dp_cp`` group's in the same order (CP varies
+    fastest). It stays a child of the dense mesh, so tensor-parallel DTensors still get FSDP's
+    2-D ``(dp_cp, tp)`` sharding.
+    """
+    if ctx.size("cp") == 1:
+        return ctx.dense_mesh["dp"]
+    # Cached on the dense mesh: building the flattened dimension again (another sharded model on
+    # the same context) creates no further process groups.
+    return ctx.dense_mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def _tp_partial_names(model: nn.Module, ctx: ParallelContext) -> set[str]:
@@ -200,7 +215,7 @@ def apply_fully_shard(
     check_fully_shard(model, ctx, sharding_strategy)
     if sharding_strategy == "NO_SHARD":
         return []
-    dense_mesh = ctx.dense_mesh["dp"]  # x cp, once context parallelism combines with sharding
+    dense_mesh = dense_shard_mesh(ctx)
     expert_mesh = ctx.expert_mesh["edp"]
     divide = float(ctx.size("dp_cp"))
     kwargs = {"reshard_after_forward": sharding_strategy == "FULL_SHARD"}

@@ -7,7 +7,8 @@ shard it, and nowhere else:
 
 * plain dense parameters are replicated on every rank: their squares are summed locally;
 * DTensor parameters: over every mesh dimension with a ``Shard`` placement (``tp`` for tensor
-  parallelism; ``dp``, or ``dp`` and ``tp``, for FSDP2's shards);
+  parallelism; ``dp``, or ``dp`` and ``tp``, for FSDP2's shards; ``dp_cp`` in place of ``dp``
+  under context parallelism, where FSDP2 shards over the flattened DP x CP ranks);
 * expert parameters are sharded over ETP x EP: over ``etp_ep``, and over ``edp`` as well when
   FSDP2 shards them there.
 
@@ -32,7 +33,9 @@ from lightning_moe.parallel.expert_parallel import is_expert_param
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
 
-_KEYS = ((), ("tp",), ("etp_ep",), ("dp",), ("dp", "tp"), ("edp", "etp_ep"))
+_KEYS = (
+    (), ("tp",), ("etp_ep",), ("dp",), ("dp", "tp"), ("dp_cp",), ("dp_cp", "tp"), ("edp", "etp_ep"),
+)
 """Every combination of groups a gradient can be sharded over, in the order all ranks reduce them."""
 _ALWAYS = _KEYS[:3]
 """Reduced even when no parameter here needs them: a rank without gradients still takes part."""
