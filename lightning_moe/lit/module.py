@@ -289,8 +289,10 @@ class MoELanguageModel(L.LightningModule):
         The pipeline protocol of `MoEStrategy` (:mod:`lightning_moe.strategies.pipeline_step`): the
         strategy then runs the schedule instead of :meth:`training_step` and logs ``train_loss``
         itself, and instead of :meth:`validation_step` it calls :meth:`pipeline_validation_step`.
+        Under context parallelism this CP rank's share of the mean over the whole sequences, as in
+        :meth:`training_step` (:meth:`_training_loss`); the pipeline averages the shares over ``cp``.
         """
-        return self._loss(logits, targets)
+        return self._training_loss(logits, targets)
 
     def pipeline_validation_step(self, losses: Tensor, targets: Tensor, batch_idx: int) -> None:
         """:meth:`validation_step` under pipeline parallelism: the same ``val_loss`` and ``val_ppl``.
@@ -300,7 +302,10 @@ class MoELanguageModel(L.LightningModule):
         along dimension 0. Each weighs as many targets as it keeps (a micro-batch without targets,
         loss 0, adds nothing), so ``val_loss`` is the mean per target token over every batch and
         rank, as at PP=1; ``val_ppl`` is its ``exp`` (:class:`TokenPerplexity`), what
-        ``Perplexity`` gives at PP=1 up to rounding. Counted on the device: no host read.
+        ``Perplexity`` gives at PP=1 up to rounding. Counted on the device: no host read. Under
+        context parallelism ``targets`` are this CP rank's chunks and ``losses`` the whole sequences'
+        means: each CP rank weighs them by its own targets, so the sums over all ranks count every
+        target of the sequences once per pipeline rank, which keeps the ratio.
         """
         kept = (targets != IGNORE_INDEX).reshape(losses.shape[0], -1).sum(1)
         self.val_loss.update(losses, kept)

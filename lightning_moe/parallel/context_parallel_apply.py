@@ -6,7 +6,8 @@ caller feeds each CP rank its two chunks of every sequence (:func:`shard_batch`,
 ``2C-1-r``, Megatron's causal load balance); the model then
 
 * gives the rotary embedding the chunks' global positions (a forward pre-hook passing
-  ``position_ids`` to each :class:`~lightning_moe.models.MoETransformer`);
+  ``position_ids`` to each :class:`~lightning_moe.models.MoETransformer`; pipeline stages, which
+  run the transformer's pieces without its ``forward``, ask :func:`context_parallel_positions`);
 * attends over the whole sequence: every ``CoreAttention`` (standard attention and MLA) becomes a
   :class:`ContextParallelCoreAttention` over the ``cp`` group (ring or all-gather exchange of the
   keys and values, :func:`~lightning_moe.parallel.context_parallel.context_parallel_attention`);
@@ -34,7 +35,12 @@ from lightning_moe.parallel.context_parallel import (
     shard_sequence,
 )
 
-__all__ = ["ContextParallelCoreAttention", "apply_context_parallel", "cp_token_mean", "shard_batch"]
+__all__ = [
+    "ContextParallelCoreAttention", "apply_context_parallel", "context_parallel_positions", "cp_token_mean",
+    "shard_batch",
+]
+
+_CP_ATTR = "_lightning_moe_context_parallel"  # (cp rank, cp size) on a transformer made context parallel
 
 
 class ContextParallelCoreAttention(nn.Module):
@@ -62,20 +68,33 @@ class ContextParallelCoreAttention(nn.Module):
         return f"cp_comm_type={self.cp_comm_type!r}"
 
 
-def _position_hook(cp_rank: int, cp_size: int, max_seq_len: int):
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        tokens = args[0] if args else kwargs["tokens"]
-        full = tokens.shape[1] * cp_size
-        if full > max_seq_len:
-            raise ValueError(
-                f"sequence length {full} (CP={cp_size} ranks x {tokens.shape[1]} tokens) exceeds "
-                f"max_seq_len={max_seq_len}; shorten the sequences or raise max_seq_len."
-            )
-        if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = load_balanced_positions(full, cp_rank, cp_size, device=tokens.device)
-        return args, kwargs
+def context_parallel_positions(transformer: MoETransformer, local_len: int, device=None) -> Tensor | None:
+    """The global positions of this CP rank's ``local_len`` tokens of each sequence (its two chunks).
 
-    return hook
+    None when ``transformer`` was not made context parallel by :func:`apply_context_parallel`
+    (positions ``0 .. local_len-1``). ``ValueError`` when the whole sequence (``CP x local_len``)
+    exceeds the transformer's ``max_seq_len``.
+    """
+    layout = getattr(transformer, _CP_ATTR, None)
+    if layout is None:
+        return None
+    cp_rank, cp_size = layout
+    full = local_len * cp_size
+    max_seq_len = transformer.config.max_seq_len
+    if full > max_seq_len:
+        raise ValueError(
+            f"sequence length {full} (CP={cp_size} ranks x {local_len} tokens) exceeds "
+            f"max_seq_len={max_seq_len}; shorten the sequences or raise max_seq_len."
+        )
+    return load_balanced_positions(full, cp_rank, cp_size, device=device)
+
+
+def _position_hook(module: nn.Module, args: tuple, kwargs: dict):
+    tokens = args[0] if args else kwargs["tokens"]
+    positions = context_parallel_positions(module, tokens.shape[1], tokens.device)  # checks the length
+    if kwargs.get("position_ids") is None:
+        kwargs["position_ids"] = positions
+    return args, kwargs
 
 
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, cp_comm_type: str = "p2p") -> nn.Module:
@@ -97,9 +116,8 @@ def apply_context_parallel(model: nn.Module, ctx: ParallelContext, cp_comm_type:
             for name, child in list(parent.named_children()):
                 if type(child) is CoreAttention:
                     setattr(parent, name, ContextParallelCoreAttention(group, cp_comm_type, child.softmax_scale))
-        transformer.register_forward_pre_hook(
-            _position_hook(rank, cp, transformer.config.max_seq_len), with_kwargs=True
-        )
+        setattr(transformer, _CP_ATTR, (rank, cp))
+        transformer.register_forward_pre_hook(_position_hook, with_kwargs=True)
     return model
 
 

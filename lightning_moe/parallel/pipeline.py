@@ -31,7 +31,15 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
   so every rank returns the same values: :meth:`PipelineRunner.step` and
   :meth:`PipelineRunner.eval` the mean of the micro-batch losses,
   :meth:`PipelineRunner.eval_microbatches` the ``M`` losses themselves (one broadcast), for means
-  weighted by each micro-batch's number of targets.
+  weighted by each micro-batch's number of targets;
+* context parallelism (the reference transformer only): the inputs and targets are this CP rank's
+  chunks of each sequence (cut before the runner, the same chunks for both), and so are the hidden
+  states between stages; the blocks attend over the CP group and use the chunks' global rotary
+  positions (:mod:`~lightning_moe.parallel.pipeline_split`). ``loss_fn`` returns this CP rank's
+  share of the whole-sequence mean, as the CP training loss does
+  (:func:`~lightning_moe.parallel.context_parallel_apply.cp_token_mean`: its gradients, reduced
+  over DP x CP, are the whole sequence's); the runner averages the shares over ``cp`` after the
+  broadcast, so every rank returns the whole-sequence means.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from torch.distributed.pipelining.schedules import (  # private: see _forward_on
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.pipeline_split import (
     StageModule,
@@ -160,7 +169,8 @@ class PipelineRunner:
         ctx: the parallel context; its ``pp`` group carries the stage-to-stage traffic.
         schedule: a name of :data:`PIPELINE_SCHEDULES`.
         num_microbatches: micro-batches per batch (the batch size must be a multiple).
-        loss_fn: ``(outputs, targets) -> mean loss`` of one micro-batch, on the last stage.
+        loss_fn: ``(outputs, targets) -> mean loss`` of one micro-batch, on the last stage (under
+            context parallelism this CP rank's share of it, see the module docstring).
         device: where the stages compute.
         virtual_stages: stages per rank (None: what the schedule needs).
         split: blocks per stage, in stage order (None: as even as possible).
@@ -178,6 +188,13 @@ class PipelineRunner:
         self.pp_rank = dist.get_rank(self.group)
         self.device = device
         self.loss_fn = loss_fn
+        if ctx.size("cp") > 1 and not isinstance(model, MoETransformer):
+            raise ValueError(
+                f"context_parallel_size={ctx.size('cp')} with pipeline_parallel_size={self.pp} splits only the "
+                f"reference MoETransformer into stages (its blocks get the CP chunks' positions), not "
+                f"{type(model).__name__}; make the network a MoETransformer, or use context_parallel_size=1."
+            )
+        self._cp_group = ctx.group("cp") if ctx.size("cp") > 1 else None
         parts = pipeline_parts_of(model)
         num_blocks = num_blocks_before_trim(model, parts)  # a model trimmed by an earlier run counts them all
         self.num_stages = self.pp * self.virtual_stages
@@ -299,6 +316,9 @@ class PipelineRunner:
             loss = torch.zeros(() if train else self.num_microbatches, dtype=torch.float32, device=self.device)
         if self.pp > 1:
             dist.broadcast(loss, src=self._last_rank, group=self.group)
+        if self._cp_group is not None:  # each CP rank's share of the whole-sequence mean -> the mean
+            dist.all_reduce(loss, group=self._cp_group)
+            loss = loss / dist.get_world_size(self._cp_group)
         return loss
 
     def step(self, inputs: Tensor, targets: Tensor, grad_sync=None) -> Tensor:
@@ -349,7 +369,8 @@ class PipelineRunner:
         """Forward only, as :meth:`eval`; returns the ``[M]`` fp32 micro-batch losses, the same on every rank.
 
         Entry ``m`` is ``loss_fn`` of micro-batch ``m``: ``inputs[m * B // M : (m + 1) * B // M]``
-        and the same rows of ``targets`` (the schedule splits along dimension 0 in order). A mean
+        and the same rows of ``targets`` (the schedule splits along dimension 0 in order; under
+        context parallelism the mean of the CP ranks' shares: the whole sequences' loss). A mean
         per target token weighs each by its number of targets (a micro-batch without targets then
         counts for nothing), where :meth:`eval` weighs them equally.
         """

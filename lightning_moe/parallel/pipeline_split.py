@@ -21,7 +21,11 @@ here from outside): the model defines ``pipeline_parts(self) -> PipelineParts``.
         )
 
 Between stages only one tensor travels (the hidden states), so blocks take and return one tensor
-(extra per-layer inputs, such as rotary tables, are recomputed from it in ``block``).
+(extra per-layer inputs, such as rotary tables, are recomputed from it in ``block``). Under context
+parallelism the hidden states are this CP rank's chunks of each sequence and the reference
+transformer's blocks get the chunks' global positions
+(:func:`~lightning_moe.parallel.context_parallel_apply.context_parallel_positions`); its attention
+modules were swapped for the CP attention before the split, and the stages keep them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.models import MoETransformer
 from lightning_moe.models.rope import rotary_cos_sin
+from lightning_moe.parallel.context_parallel_apply import context_parallel_positions
 
 __all__ = [
     "PipelineParts", "StageModule", "TrimRecord", "layer_split", "num_blocks_before_trim", "pipeline_parts_of",
@@ -73,9 +78,13 @@ def _transformer_parts(model: MoETransformer) -> PipelineParts:
         )
 
     def block(layer: nn.Module, hidden: Tensor) -> Tensor:
-        # The rotary tables depend only on the sequence length: recomputed per stage, not sent.
-        cos, sin = rotary_cos_sin(hidden.shape[1], config.rotary_dim, config.rope_theta, hidden.device,
-                                  config.rope_scaling)
+        # The rotary tables depend only on the sequence length (and, under context parallelism, on
+        # which chunks this CP rank holds): recomputed per stage, not sent. The CP position hook on
+        # the transformer's forward never runs here, so the stage asks for the chunks' positions.
+        seq = hidden.shape[1]  # a DTensor's (TP sequence sharding) is over TP: this CP rank's share
+        positions = context_parallel_positions(model, seq, hidden.device)
+        cos, sin = rotary_cos_sin(seq, config.rotary_dim, config.rope_theta, hidden.device, config.rope_scaling,
+                                  positions=positions)
         return layer(hidden, cos, sin, None)
 
     return PipelineParts(

@@ -25,12 +25,6 @@ def check_strategy_options(
         raise ValueError(f"context_parallel_size={context_parallel_size}: needs at least 1 rank.")
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
-    if context_parallel_size > 1 and pipeline_parallel_size > 1:
-        raise ValueError(
-            f"context_parallel_size={context_parallel_size} does not combine with pipeline_parallel_size="
-            f"{pipeline_parallel_size} yet (the pipeline stages run the transformer's pieces, not its "
-            "context-parallel forward); use one of the two."
-        )
     check_dispatcher(dispatcher, flex_backend)
     if start_method not in SUPPORTED_START_METHODS:
         raise ValueError(

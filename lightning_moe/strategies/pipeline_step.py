@@ -16,7 +16,11 @@ over the optimisation step's forward and backward:
   on every rank, as ``train_loss``; the loop then clips (one global norm, over ``pp`` too) and
   steps as usual;
 * ``validation_step`` runs the forward-only schedule and hands the micro-batch losses to the
-  module's ``pipeline_validation_step`` (below), or logs their plain mean as ``val_loss``.
+  module's ``pipeline_validation_step`` (below), or logs their plain mean as ``val_loss``;
+* under context parallelism the strategy cuts each batch to this CP rank's chunks before either
+  step, so every stage runs on them; ``pipeline_loss`` returns this CP rank's share of the
+  whole-sequence mean (as the CP training loss: ``cp_token_mean``) and the logged losses are the
+  whole sequences' means (with or without FSDP2 sharding).
 
 Protocol of the LightningModule: batches are ``(inputs, targets)``; it defines
 ``pipeline_loss(outputs, targets) -> Tensor`` (one micro-batch's mean loss, on the last stage);
@@ -28,7 +32,9 @@ rank in place of its ``validation_step`` (which needs the whole network) after t
 schedule of a validation batch: ``losses`` is an fp32 ``[M]`` tensor on the device, entry ``m``
 ``pipeline_loss`` of micro-batch ``m``, identical on every rank (broadcast from the last stage);
 ``targets`` is the batch's whole targets, of which micro-batch ``m`` holds the ``m``-th of ``M``
-equal slices along dimension 0. The hook logs what the module wants (with ``self.log``; it can
+equal slices along dimension 0 (under context parallelism: this CP rank's chunks of them, and
+``losses`` the whole sequences' means, see :class:`~lightning_moe.parallel.pipeline.PipelineRunner`).
+The hook logs what the module wants (with ``self.log``; it can
 count each micro-batch's targets on the device, without a host read, and weigh its loss by them,
 as :meth:`~lightning_moe.lit.MoELanguageModel.pipeline_validation_step` does for a ``val_loss``
 and ``val_ppl`` per target token equal to PP=1's); its return value is the step's output. Every

@@ -174,11 +174,6 @@ def test_unknown_cp_comm_type_is_refused():
         MoEStrategy(context_parallel_size=2, cp_comm_type="ring")
 
 
-def test_context_parallel_with_pipeline_parallel_is_refused():
-    with pytest.raises(ValueError, match=r"context_parallel_size=2 does not combine with pipeline_parallel_size=2"):
-        MoEStrategy(context_parallel_size=2, pipeline_parallel_size=2)
-
-
 def test_context_parallel_needs_the_reference_transformer():
     from lightning_moe.strategies.model_setup import check_context_parallel_support
 
