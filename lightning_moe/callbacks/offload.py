@@ -22,6 +22,14 @@ against the end of the qualified name)::
 
 A name that matches nothing warns once (rank 0), naming it and what it looks for, and installs
 nothing; ``strict=True`` raises ``ValueError`` instead.
+
+Micro-batches: without pipeline parallelism one Lightning batch is one offload micro-batch (one
+forward, then its backward). Under ``MoEStrategy(pipeline_parallel_size > 1, num_microbatches=M)``
+one batch is ``M`` micro-batches per stage, and the schedule runs several forwards before their
+backwards (1F1B's warm-up, GPipe, interleaved virtual stages): the callback then also starts an
+offload micro-batch at every forward of each of this rank's stage modules (the strategy's
+``pipeline_stages``), so each (micro-batch, stage) keeps the last group of each name on the device
+and prefetches within itself, and no backward reloads on demand.
 """
 
 from __future__ import annotations
@@ -90,13 +98,16 @@ class ActivationOffload(Callback):
         return {} if self._handle is None else dict(self._handle.modules)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Install the boundaries on ``pl_module``; warn (or raise with ``strict``) for unmatched names."""
+        """Install the boundaries on ``pl_module`` (and the micro-batch starts on the pipeline stages, under
+        PP); warn (or raise with ``strict``) for unmatched names."""
         if self._handle is not None:
             return
         device = pl_module.device
         handle = apply_activation_offload(pl_module, self.modules, self.min_tensor_bytes,
                                           ActivationOffloader(device, self.min_tensor_bytes), self.targets)
         message = handle.check_unmatched("ActivationOffload", type(pl_module).__name__, self.strict)
+        # Under PP (MoEStrategy.pipeline_stages): one offload micro-batch per pipeline micro-batch and stage.
+        handle.start_microbatch_at(getattr(trainer.strategy, "pipeline_stages", None) or [])
         self._handle = handle
         if message is not None:
             self._warnings.warn(message)
@@ -107,7 +118,7 @@ class ActivationOffload(Callback):
             )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        """Start a new offload micro-batch."""
+        """Start a new offload micro-batch (under PP each stage forward starts one as well)."""
         if self._handle is not None:
             self._handle.offloader.start_microbatch()
 

@@ -28,7 +28,9 @@ A name that matches nothing installs nothing (``strict=True`` raises instead).
 Parameters, tensors of other devices, tensor subclasses and storages smaller than
 ``min_tensor_bytes`` stay where they are. How groups move (deferred copies on side streams, the
 warm-up rule that keeps the last group of each name, one group of look-ahead in backward) is
-described in :mod:`lightning_moe.memory.offloader`.
+described in :mod:`lightning_moe.memory.offloader`. Under pipeline parallelism
+:meth:`OffloadHandle.start_microbatch_at` gives each stage's forward of each micro-batch its
+own offload micro-batch.
 
 Offloading inside a module that is recomputed with a standard checkpoint is refused (the
 recomputed region keeps no activations; Megatron Core does not combine them either).
@@ -36,7 +38,7 @@ recomputed region keeps no activations; Megatron Core does not combine them eith
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -104,6 +106,25 @@ class OffloadHandle(AppliedHandle):
 
     verb = "offloaded"
     customizable = OFFLOAD_TARGETABLE
+
+    def start_microbatch_at(self, modules: Iterable[nn.Module]) -> None:
+        """Start a new offload micro-batch at every forward of each of ``modules`` (undone by :meth:`remove`).
+
+        For pipeline stages: a schedule runs a stage's forward once per micro-batch, several of them
+        back to back (1F1B's warm-up, GPipe, interleaved virtual stages). With a forward pre-hook on
+        each stage module every (micro-batch, stage) forward gets its own groups, warm-up rule and
+        look-ahead, as Megatron Core offloads per micro-batch and virtual stage; otherwise the
+        forwards would merge into one micro-batch and only the last one's groups stay on the device.
+        """
+        offloader = self.offloader
+        if offloader is None:
+            raise ValueError("This OffloadHandle has no offloader; use the handle apply_activation_offload returns.")
+
+        def start(*_: object) -> None:
+            offloader.start_microbatch()
+
+        for module in modules:
+            self._undo.append(module.register_forward_pre_hook(start).remove)
 
 
 def check_offload_modules(modules: Sequence[str]) -> list[str]:

@@ -7,7 +7,8 @@ Parameters (and views of them, e.g. ``nn.Linear``'s transposed weight), tensors 
 devices, tensor subclasses and storages smaller than ``min_tensor_bytes`` stay where they are
 (and reach the enclosing saved-tensor hooks).
 
-Mechanics (one micro-batch in flight at a time, as without pipeline parallelism):
+Mechanics, per micro-batch (its groups, its warm-up rule, its look-ahead; see the end for how
+micro-batches begin):
 
 * Forward: everything a boundary saves is one *group*. A group's copy to host starts when the
   next group of the same name begins (the boundary one layer later): on CUDA on a side stream
@@ -27,6 +28,14 @@ Mechanics (one micro-batch in flight at a time, as without pipeline parallelism)
 
 A new micro-batch starts when a boundary runs after backward began, or at
 :meth:`ActivationOffloader.start_microbatch` (the Lightning callback calls it every batch).
+Several micro-batches can be in flight: each group belongs to the micro-batch that produced it,
+and a backward of an older one while newer ones exist (pipeline schedules: 1F1B's warm-up,
+GPipe, interleaved virtual stages) keeps, reloads and prefetches within its own micro-batch. A
+schedule that runs several forwards before their backwards must start a micro-batch at each
+forward of each stage (:meth:`~lightning_moe.memory.offload.OffloadHandle.start_microbatch_at`;
+the callback does it under ``MoEStrategy`` pipeline parallelism); otherwise those forwards
+merge into one micro-batch, only the last forward's last groups stay on the device and the
+earlier ones are reloaded on demand (``OffloadStats.reloads_on_demand``).
 """
 
 from __future__ import annotations
@@ -142,7 +151,11 @@ class ActivationOffloader:
     # ----------------------------------------------------------------------------- public API
 
     def start_microbatch(self) -> None:
-        """Begin a new micro-batch: groups of the last one that are still pending stay on the device."""
+        """Begin a new micro-batch: groups of the last one that are still pending stay on the device.
+
+        The earlier micro-batch stays in flight: its backward may run later, before or after that
+        of the new one.
+        """
         self._microbatch = _MicroBatch()
 
     def boundary(self, key: str, name: str | None, names: Sequence[str] = ()) -> _Boundary:

@@ -42,7 +42,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
@@ -179,6 +179,12 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         if self._context is None:
             raise RuntimeError("The parallel context is built in setup_environment(); it is not available yet.")
         return self._context
+
+    @property
+    def pipeline_stages(self) -> list[nn.Module]:
+        """This rank's pipeline stage modules in stage order (each runs once per micro-batch); empty without PP or before setup."""
+        runner = None if self._pipeline is None else self._pipeline.runner
+        return [] if runner is None else list(runner.modules)
 
     @property
     def device_mesh(self) -> DeviceMesh:

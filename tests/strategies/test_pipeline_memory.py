@@ -3,9 +3,13 @@
 Oracle: the same PP=2 (1F1B, ``num_microbatches=4``) run on 2 forked gloo ranks without the
 callback (itself checked against gradient accumulation on one process by ``test_pipeline_parity.py``).
 With ``SelectiveRecompute(modules=("moe_act", "router", "layernorm"))``,
-``ActivationOffload(min_tensor_bytes=0)`` or ``LoadBalanceMonitor(log_every_n_steps=1)``, the loss of
+``ActivationOffload(modules=OFFLOAD_MODULES, min_tensor_bytes=0)`` (under 1F1B and GPipe, the
+latter against GPipe without it) or ``LoadBalanceMonitor(log_every_n_steps=1)``, the loss of
 every step, the validation loss and every parameter and expert bias after 3 AdamW steps must match
 at fp32 tolerance (aux loss, z loss, expert bias and clipping on), and each callback did its work.
+Offload runs one offload micro-batch per pipeline micro-batch and stage: the counts of kept and
+offloaded groups follow from the warm-up rule and the stages' blocks, and nothing is reloaded on
+demand, although 1F1B's warm-up and GPipe run several forwards back to back.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from torch.utils.data import DataLoader
 
 from lightning_moe.callbacks import ActivationOffload, LoadBalanceMonitor, SelectiveRecompute
 from lightning_moe.lit import MoELanguageModel
+from lightning_moe.memory import OFFLOAD_MODULES
+from lightning_moe.parallel.pipeline_split import layer_split
 from lightning_moe.strategies import MoEStrategy
 
 pytestmark = pytest.mark.distributed
@@ -29,7 +35,7 @@ pytestmark = pytest.mark.distributed
 STEPS, M, BATCH = 3, 4, 8
 CALLBACKS = {
     "recompute": lambda: SelectiveRecompute(modules=("moe_act", "router", "layernorm")),
-    "offload": lambda: ActivationOffload(min_tensor_bytes=0),
+    "offload": lambda: ActivationOffload(modules=OFFLOAD_MODULES, min_tensor_bytes=0),
     "monitor": lambda: LoadBalanceMonitor(log_every_n_steps=1),
 }
 
@@ -52,14 +58,14 @@ class Capture(Callback):
             self.did = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("moe/")}
 
 
-def _fit(name: str | None, pp: int = 2) -> dict:
+def _fit(name: str | None, pp: int = 2, schedule: str = "1F1B") -> dict:
     torch.manual_seed(0)
     module = MoELanguageModel(model_config(), learning_rate=1e-2, warmup_steps=0)
     accumulate = 1 if pp > 1 else M
     measure = Measure(accumulate)
     extra = [] if name is None else [CALLBACKS[name]()]
     capture = Capture(extra[0] if extra else None)
-    strategy = MoEStrategy(pipeline_parallel_size=pp, num_microbatches=M if pp > 1 else None)
+    strategy = MoEStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, num_microbatches=M if pp > 1 else None)
     trainer = L.Trainer(**quiet_trainer_kwargs(
         devices=pp, strategy=strategy, max_steps=STEPS, callbacks=[measure, *extra, capture], gradient_clip_val=CLIP,
         accumulate_grad_batches=accumulate, limit_val_batches=accumulate, log_every_n_steps=1,
@@ -76,7 +82,9 @@ def _fit(name: str | None, pp: int = 2) -> dict:
 
 
 def _runs(rank: int, world_size: int) -> dict:
-    return {name: _fit(name) for name in (None, *CALLBACKS)}
+    runs = {name: _fit(name) for name in (None, *CALLBACKS)}
+    runs["GPipe"], runs["GPipe offload"] = _fit(None, schedule="GPipe"), _fit("offload", schedule="GPipe")
+    return runs
 
 
 def _reference(rank: int, world_size: int) -> dict:
@@ -119,13 +127,35 @@ def test_recompute_under_pipeline_equals_recompute_in_one_process(runs):
     assert merged.keys() == want["state"].keys()
 
 
-def test_offload_moved_activations_under_pipeline(runs):
-    stats = [result["offload"]["did"] for result in runs[1]]
-    for rank, did in enumerate(stats):
-        assert did["reloaded_bytes"] == did["offloaded_bytes"], (rank, did)
-    # Stage 0 holds one MoE layer: its expert_fc1 group is the last of its name, which the
-    # warm-up rule keeps on the device; stage 1 holds two, the first is offloaded.
-    assert stats[1]["offloaded_bytes"] > 0, stats
+def _expected_groups(rank: int) -> tuple[int, int]:
+    """(kept, offloaded) groups of rank ``rank``'s stage over the whole run, from the warm-up rule.
+
+    PP=2 splits the blocks evenly (``layer_split``: blocks 0-1 and 2-3), of which those from
+    ``first_dense_layers`` on are MoE blocks. Each block has one boundary of every attention-side
+    name, each MoE block one of each expert name. Per micro-batch the last group of each name
+    stays on the device, every earlier one is offloaded.
+    """
+    config = model_config()
+    counts = layer_split(config.num_layers, 2)
+    blocks = range(sum(counts[:rank]), sum(counts[: rank + 1]))
+    moe_blocks = [b for b in blocks if b >= config.first_dense_layers]
+    per_name = {name: len(moe_blocks) if name in ("expert_fc1", "moe_act") else len(blocks) for name in OFFLOAD_MODULES}
+    kept = sum(1 for n in per_name.values() if n > 0)
+    offloaded = sum(n - 1 for n in per_name.values() if n > 0)
+    return STEPS * M * kept, STEPS * M * offloaded
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_offload_runs_one_offload_microbatch_per_pipeline_microbatch(runs, schedule):
+    key = "offload" if schedule == "1F1B" else "GPipe offload"
+    for rank, result in enumerate(runs[1]):
+        did = result[key]["did"]
+        kept, offloaded = _expected_groups(rank)
+        assert did["reloads_on_demand"] == 0, (rank, did)  # every backward finds its group prefetched or kept
+        assert did["reloaded_bytes"] == did["offloaded_bytes"] > 0, (rank, did)
+        assert (did["kept_groups"], did["offloaded_groups"]) == (kept, offloaded), (rank, did)
+        if schedule == "GPipe":
+            _assert_same(result[key], result["GPipe"], f"rank {rank} GPipe")
 
 
 def test_monitor_reports_under_pipeline(runs):
