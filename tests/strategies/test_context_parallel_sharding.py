@@ -21,13 +21,12 @@ import pytest
 import torch
 from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
+from strategies.test_sharding_parity import model_config
 from strategies.toy import quiet_trainer_kwargs
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_moe import MoEConfig
 from lightning_moe.lit import MoELanguageModel
-from lightning_moe.models import MoETransformerConfig
 from lightning_moe.parallel import is_expert_param
 from lightning_moe.parallel.fully_shard import fully_sharded_modules
 from lightning_moe.strategies import MoEStrategy
@@ -47,17 +46,6 @@ LAYOUTS = {
 STRATEGIES = ["SHARD_GRAD_OP", "FULL_SHARD"]
 # The strategies differ only in when FSDP2 frees the gathered parameters: TP needs one of them.
 CASES = [(layout, s) for layout in LAYOUTS for s in STRATEGIES if layout != "cp2-tp2" or s == "FULL_SHARD"]
-
-
-def _config() -> MoETransformerConfig:
-    return MoETransformerConfig(
-        vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-        first_dense_layers=1, qk_norm=True, max_seq_len=SEQ,
-        moe=MoEConfig(
-            32, 16, 8, top_k=2, shared_expert_ffn_hidden_size=16, score_func="sigmoid", expert_bias=True,
-            bias_update_rate=1e-2, load_balancing=["aux_loss"], aux_loss_coeff=1e-2,
-        ),
-    )
 
 
 def _dataset() -> TensorDataset:
@@ -97,7 +85,7 @@ class Record(Callback):
 def _fit(sharding: str, save: Path | None = None, resume: Path | None = None, devices: int = WORLD,
          steps: int = STEPS, precision: str = "32-true", **sizes) -> dict:
     torch.manual_seed(0)
-    module = MoELanguageModel(_config(), learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0)
+    module = MoELanguageModel(model_config(SEQ), learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0)
     record = Record()
     strategy = MoEStrategy(sharding_strategy=sharding, **sizes)
     trainer = L.Trainer(
@@ -162,7 +150,7 @@ def test_losses_norms_and_parameters_equal_no_shard(runs, layout, sharding):
 
 def test_training_moved_the_weights_and_the_expert_bias(runs):
     torch.manual_seed(0)
-    initial = MoELanguageModel(_config())
+    initial = MoELanguageModel(model_config(SEQ))
     initial.configure_model()
     start = initial.state_dict()
     got = runs["four"][0]["cp2-ep2", "FULL_SHARD"]["params"]

@@ -61,10 +61,10 @@ class Case:
 CASES = [c for layout in LAYOUTS for c in (Case(layout), Case(layout, accumulate=2, clip=CLIP))]
 
 
-def model_config() -> MoETransformerConfig:
+def model_config(max_seq_len: int = SEQ) -> MoETransformerConfig:
     return MoETransformerConfig(
         vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-        first_dense_layers=1, qk_norm=True, max_seq_len=SEQ,
+        first_dense_layers=1, qk_norm=True, max_seq_len=max_seq_len,
         moe=MoEConfig(
             32, 16, 8, top_k=2, shared_expert_ffn_hidden_size=16, score_func="sigmoid", expert_bias=True,
             bias_update_rate=1e-2, load_balancing=["aux_loss"], aux_loss_coeff=1e-2,
