@@ -32,3 +32,11 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: flo
         atol=tol * scale,
         msg=lambda message: f"{what}: {message}",
     )
+
+
+def assert_states_close(got: dict, want: dict, rtol: float, atol: float, what: str = "") -> None:
+    """``got`` has exactly ``want``'s names, and each tensor is close to ``want``'s (named in the failure)."""
+    prefix = f"{what} " if what else ""
+    assert got.keys() == want.keys(), f"{prefix}names differ: {sorted(set(got) ^ set(want))}"
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{prefix}{n}: {m}")

@@ -19,6 +19,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
 from strategies.test_sharding_parity import model_config
@@ -142,10 +143,7 @@ def test_losses_norms_and_parameters_equal_no_shard(runs, layout, sharding):
         assert min(want["norms"]) > 2 * CLIP  # clipping was active
         dp_cp = WORLD // LAYOUTS[layout].get("tensor_parallel_size", 1)
         assert got["dense_shards"] == {dp_cp}  # dense parameters sharded over DP x CP, not DP alone
-        assert got["params"].keys() == want["params"].keys()
-        for name, value in want["params"].items():
-            torch.testing.assert_close(got["params"][name], value, rtol=PARAM_TOL, atol=PARAM_TOL,
-                                       msg=lambda m, n=name, k=rank: f"rank {k} {n}: {m}")
+        assert_states_close(got["params"], want["params"], PARAM_TOL, PARAM_TOL, f"rank {rank}")
 
 
 def test_training_moved_the_weights_and_the_expert_bias(runs):

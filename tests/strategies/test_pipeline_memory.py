@@ -17,6 +17,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
 from strategies.test_pipeline_parity import CLIP, Measure, dataset, model_config
@@ -102,8 +103,7 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
     assert len(got["losses"]) == STEPS and got["val_loss"] is not None, what
     torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} losses: {m}")
     torch.testing.assert_close(got["val_loss"], want["val_loss"], rtol=1e-5, atol=1e-6)
-    for name, value in want["state"].items():
-        torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{what} {n}: {m}")
+    assert_states_close(got["state"], want["state"], 1e-5, 1e-5, what)
 
 
 @pytest.mark.parametrize("name", ["offload", "monitor"])

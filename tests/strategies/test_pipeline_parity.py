@@ -13,6 +13,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
 from strategies.toy import quiet_trainer_kwargs
@@ -120,9 +121,7 @@ def test_pipeline_equals_accumulation(runs, schedule):
         torch.testing.assert_close(got["val_loss"], want["val_loss"], rtol=1e-5, atol=1e-6)
         assert not merged.keys() & got["state"].keys(), f"rank {rank} holds keys of the other stage"
         merged.update(got["state"])
-    assert merged.keys() == want["state"].keys()
-    for name, value in want["state"].items():
-        torch.testing.assert_close(merged[name], value, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert_states_close(merged, want["state"], rtol=1e-5, atol=1e-5)
 
 
 def test_expert_bias_and_weights_moved(runs):

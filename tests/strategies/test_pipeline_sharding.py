@@ -27,6 +27,7 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
+from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
 from strategies.test_pipeline_parity import CLIP, Measure, dataset, model_config
@@ -138,10 +139,7 @@ def test_sharded_pipeline_equals_replicated(ranks, run):
                                    msg=lambda m, r=rank: f"rank {r} losses: {m}")
         assert got["val_loss"] is not None
         torch.testing.assert_close(got["val_loss"], want["val_loss"], rtol=1e-5, atol=1e-6)
-        assert got["state"].keys() == want["state"].keys(), rank
-        for name, value in want["state"].items():
-            torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        assert_states_close(got["state"], want["state"], 1e-5, 1e-5, f"rank {rank}")
 
 
 def test_sharded_pipeline_checkpoint_resumes_across_layouts(ranks):
@@ -168,10 +166,7 @@ def test_meta_device_model_under_sharded_pipeline(ranks):
         assert got["materialised"] == [got["params"]] and got["params"] < whole, (rank, got["materialised"], whole)
         torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, r=rank: f"rank {r} losses: {m}")
-        assert got["state"].keys() == want["state"].keys(), rank
-        for name, value in want["state"].items():
-            torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        assert_states_close(got["state"], want["state"], 1e-5, 1e-5, f"rank {rank}")
 
 
 def test_tensor_parallel_sharded_pipeline_equals_replicated(ranks):
@@ -180,7 +175,4 @@ def test_tensor_parallel_sharded_pipeline_equals_replicated(ranks):
         assert got["units"] > 0, rank
         torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, r=rank: f"rank {r} losses: {m}")
-        assert got["state"].keys() == want["state"].keys(), rank
-        for name, value in want["state"].items():
-            torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+        assert_states_close(got["state"], want["state"], 1e-5, 1e-5, f"rank {rank}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -120,9 +121,7 @@ def runs(tmp_path_factory):
 def _assert_same_run(got: dict, want: dict, rtol=1e-5, atol=1e-5, label: str = "") -> None:
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=rtol, atol=atol,
                                msg=lambda m: f"{label} losses {got['losses']} vs {want['losses']}: {m}")
-    assert got["params"].keys() == want["params"].keys()
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_states_close(got["params"], want["params"], rtol, atol)
 
 
 def test_meta_built_sharded_model_starts_and_trains_like_the_directly_built_one(runs):

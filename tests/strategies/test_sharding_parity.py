@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import lightning as L
 import pytest
 import torch
+from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
 from strategies.toy import quiet_trainer_kwargs
@@ -167,10 +168,7 @@ def test_losses_norms_and_parameters_equal_no_shard(runs, case, sharding):
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=1e-5, atol=1e-6)
         if case.clip is not None:
             assert min(want["norms"]) > 2 * case.clip  # clipping was active
-        assert got["params"].keys() == want["params"].keys()
-        for name, value in want["params"].items():
-            torch.testing.assert_close(got["params"][name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL,
-                                       msg=lambda m, n=name, k=rank: f"rank {k} {n}: {m}")
+        assert_states_close(got["params"], want["params"], PARAM_RTOL, PARAM_ATOL, f"rank {rank}")
 
 
 def test_training_moved_the_weights_and_the_expert_bias(runs):
