@@ -132,11 +132,10 @@ class _RingAttention(torch.autograd.Function):
                     ctx.kernel_saved[step], causal, scale,
                 )
                 dq[:, :, rows] += block_dq.float()
-                dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+                block_grads = k.new_zeros(k.numel() + v.numel(), dtype=torch.float32)  # what travels on
+                dk, dv = _unpack(block_grads, k.shape, v.shape)
                 dk[:, :, keys] = _sum_repeats(block_dk.float(), repeat)
                 dv[:, :, keys] = _sum_repeats(block_dv.float(), repeat)
-                block_grads = _pack(dk, dv)
                 if grad_hop is not None:  # the gradient of this K/V block accumulated by the ranks before
                     block_grads += grad_hop.wait()
                 # Follows the K/V block: after the last step it reaches the block's owner.
