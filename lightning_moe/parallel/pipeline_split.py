@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -77,14 +78,20 @@ def _transformer_parts(model: MoETransformer) -> PipelineParts:
             "with pipeline_parallel_size > 1."
         )
 
+    # The rotary tables depend only on the sequence length (and, under context parallelism, on which
+    # chunks this CP rank holds): computed on the stage, not sent, once per length and device for
+    # every block and step. The CP position hook on the transformer's forward never runs here, so
+    # the stage asks for the chunks' positions.
+    tables: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+
     def block(layer: nn.Module, hidden: Tensor) -> Tensor:
-        # The rotary tables depend only on the sequence length (and, under context parallelism, on
-        # which chunks this CP rank holds): recomputed per stage, not sent. The CP position hook on
-        # the transformer's forward never runs here, so the stage asks for the chunks' positions.
         seq = hidden.shape[1]  # a DTensor's (TP sequence sharding) is over TP: this CP rank's share
-        positions = context_parallel_positions(model, seq, hidden.device)
-        cos, sin = rotary_cos_sin(seq, config.rotary_dim, config.rope_theta, hidden.device, config.rope_scaling,
-                                  positions=positions)
+        key = (seq, hidden.device)
+        if key not in tables:
+            positions = context_parallel_positions(model, seq, hidden.device)
+            tables[key] = rotary_cos_sin(seq, config.rotary_dim, config.rope_theta, hidden.device,
+                                         config.rope_scaling, positions=positions)
+        cos, sin = tables[key]
         return layer(hidden, cos, sin, None)
 
     return PipelineParts(
