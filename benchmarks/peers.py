@@ -60,7 +60,7 @@ __all__ = [
     "cross_check_small",
 ]
 
-INSTALL_HINT = "pip install 'lightning-moe[bench]' (or: pip install -e '.[bench]')"
+INSTALL_HINT = "pip install -e '.[bench]' in a clone of lightning_moe"
 SEPARATE_INSTALL_HINT = "a separate directory on PYTHONPATH (see the docstring of benchmarks/peers.py)"
 INIT_STD = 0.02
 

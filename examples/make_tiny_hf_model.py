@@ -7,8 +7,8 @@
 The directory is what ``transformers``' ``save_pretrained`` writes (``config.json``, safetensors
 weights) plus a ``tokenizer.json``: a byte-level BPE tokenizer trained here with the ``tokenizers``
 library on the Python standard library's sources (the corpus the example trains on), so the model
-trains on its own vocabulary. Needs ``transformers`` and ``tokenizers`` (``pip install
-lightning-moe[test]``); stands in for a published checkpoint such as ``Qwen/Qwen3-30B-A3B``.
+trains on its own vocabulary. Needs ``transformers`` and ``tokenizers`` (``pip install -e
+".[test]"``); stands in for a published checkpoint such as ``Qwen/Qwen3-30B-A3B``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def _te_skip_reason() -> str | None:
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # ImportError, or a broken install failing to load its libraries
-        return f"needs Transformer Engine (pip install 'lightning-moe[te]'): {type(err).__name__}: {err}"
+        return f"needs Transformer Engine (pip install -e '.[te]'): {type(err).__name__}: {err}"
     if not torch.cuda.is_available():
         return "needs an FP8-capable CUDA GPU; none is available"
     capabilities = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]

@@ -82,7 +82,7 @@ class LoadBalanceMonitor(Callback):
             ``heatmap_every_n_steps`` sets the window).
         heatmap_every_n_steps: also emit the expert-load heatmap of the window every this many
             steps (a multiple of ``log_every_n_steps``), and the last window's at the end of
-            training; None = no heatmap. Needs matplotlib (``pip install 'lightning-moe[plot]'``);
+            training; None = no heatmap. Needs matplotlib (``pip install -e ".[plot]"``);
             without it training warns once and draws none.
         per_layer: log every statistic per layer too (``<prefix>layer_<i>/...``).
         prefix: prefix of every logged name.

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_moe.install_hints import install_hint
+
 __all__ = ["HFTokenizer"]
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -28,8 +30,7 @@ def _tokenizers():
         import tokenizers
     except ImportError as err:
         raise ImportError(
-            "Reading a Hugging Face tokenizer.json needs the tokenizers library: pip install 'lightning-moe[hf]' "
-            "(or pip install tokenizers)."
+            f"Reading a Hugging Face tokenizer.json needs the tokenizers library: {install_hint('hf')}."
         ) from err
     return tokenizers
 

@@ -1,7 +1,7 @@
 """Expert-load heatmap (layers x experts) drawn with matplotlib, an optional dependency.
 
-matplotlib is imported lazily, here only, when a heatmap is drawn (``pip install
-'lightning-moe[plot]'``); without it :func:`heatmap_available` is False and :func:`render_heatmap`
+matplotlib is imported lazily, here only, when a heatmap is drawn (``pip install -e
+".[plot]"`` in a clone); without it :func:`heatmap_available` is False and :func:`render_heatmap`
 raises an ``ImportError`` naming the extra. Figures are built with ``matplotlib.figure.Figure`` on
 an Agg canvas, never through ``pyplot``: no global figure registry, no GUI backend, and the
 process's own backend choice is left alone (matplotlib's recommended way to draw off screen).
@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_moe.install_hints import install_hint
+
 if TYPE_CHECKING:  # only for annotations: matplotlib is optional
     from matplotlib.figure import Figure
 
 __all__ = ["HEATMAP_EXTRA_HINT", "figure_to_rgb", "heatmap_available", "render_heatmap", "save_heatmap"]
 
-HEATMAP_EXTRA_HINT = "install matplotlib with `pip install 'lightning-moe[plot]'`"
+HEATMAP_EXTRA_HINT = f"install matplotlib: {install_hint('plot')}"
 """How to get the optional plotting dependency (quoted by every message about it)."""
 
 _DPI = 100

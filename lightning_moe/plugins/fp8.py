@@ -12,7 +12,7 @@ the precision string, ``AcceleratorConnector._validate_precision_choice``, which
 * ``backend``: ``torch`` (PyTorch's scaled FP8 GEMMs, :mod:`lightning_moe.precision.torch_fp8`),
   ``te`` (Transformer Engine, :mod:`lightning_moe.precision.te_fp8`) or ``auto`` (``te`` when
   Transformer Engine imports, else ``torch``). ``te`` without TE raises ``ImportError`` naming
-  ``pip install "lightning-moe[te]"`` when the plugin is built. The ``torch`` backend raises
+  ``pip install -e ".[te]"`` when the plugin is built. The ``torch`` backend raises
   ``RuntimeError`` in :meth:`MoEFP8Precision.convert_module` (the start of ``fit``, not import or
   construction) when no FP8-capable CUDA GPU is present, so configurations still parse on CPU.
 * ``recipe``: ``rowwise`` (default) / ``tensorwise`` for ``torch``; ``delayed`` (default) /

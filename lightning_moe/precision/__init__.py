@@ -5,7 +5,7 @@
   tensor-wise dynamic scaling; needs nothing beyond torch (a CUDA GPU to train).
 * :mod:`~lightning_moe.precision.te_fp8`: NVIDIA Transformer Engine recipes (delayed, tensorwise,
   blockwise, MXFP8, NVFP4), imported lazily; ``ImportError`` naming ``pip install
-  "lightning-moe[te]"`` when missing. Importing this package never imports Transformer Engine.
+  -e ".[te]"`` when missing. Importing this package never imports Transformer Engine.
 * :mod:`~lightning_moe.precision.common`: recipe names, expert token alignment (16/32/128),
   first/last layers in bf16, conversion reports.
 """

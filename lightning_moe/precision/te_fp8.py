@@ -2,7 +2,7 @@
 
 Importing ``lightning_moe`` (or this module) never imports Transformer Engine; every function that
 needs it calls :func:`import_te`, which raises ``ImportError`` naming the install extra
-(``pip install "lightning-moe[te]"``) when TE is missing or fails to load.
+(``pip install -e ".[te]"`` in a clone) when TE is missing or fails to load.
 
 * Recipes (:func:`make_te_recipe`): ``delayed`` (``DelayedScaling``), ``tensorwise``
   (``Float8CurrentScaling``, per-tensor current scaling), ``blockwise`` (``Float8BlockScaling``,
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_moe.install_hints import install_hint
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.precision.common import TE_RECIPES, ConversionReport, is_dtensor, skip_reason
 
@@ -47,7 +48,7 @@ __all__ = [
     "te_available",
 ]
 
-INSTALL_HINT = 'pip install "lightning-moe[te]"'
+INSTALL_HINT = install_hint("te")
 _TE_RECIPE_CLASSES = {
     "delayed": "DelayedScaling",
     "tensorwise": "Float8CurrentScaling",

@@ -200,7 +200,7 @@ def test_without_matplotlib_training_warns_once_and_draws_no_heatmap(tmp_path, m
     logger = CSVLogger(tmp_path, name="run")
     monitor = LoadBalanceMonitor(log_every_n_steps=1, heatmap_every_n_steps=1)
     trainer = L.Trainer(**quiet_trainer_kwargs(max_steps=3, callbacks=[monitor], logger=logger))
-    with pytest.warns(UserWarning, match=r"matplotlib is not installed.*pip install 'lightning-moe\[plot\]'") as record:
+    with pytest.warns(UserWarning, match=r'matplotlib is not installed.*pip install -e "\.\[plot\]"') as record:
         trainer.fit(MonitoredModule(), train_loader(make_dataset(64)))
     assert sum("matplotlib" in str(w.message) for w in record) == 1
     assert monitor.heatmap_paths == [] and list(Path(logger.log_dir).glob("*.png")) == []

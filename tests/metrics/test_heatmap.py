@@ -9,6 +9,7 @@ code under test.
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 
 import pytest
@@ -124,7 +125,7 @@ def test_without_matplotlib_the_error_names_the_extra(monkeypatch):
     for name in ("matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)
     assert heatmap_available() is False
-    with pytest.raises(ImportError, match=r"pip install 'lightning-moe\[plot\]'"):
+    with pytest.raises(ImportError, match=re.escape('pip install -e ".[plot]"')):
         render_heatmap(SMALL)
     monkeypatch.undo()
     assert heatmap_available() is True

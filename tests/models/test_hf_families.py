@@ -355,5 +355,5 @@ def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
     _tiny_mixtral_dir(tmp_path)
     monkeypatch.setitem(__import__("sys").modules, "safetensors", None)
     monkeypatch.setitem(__import__("sys").modules, "safetensors.torch", None)
-    with pytest.raises(ImportError, match=r"pip install 'lightning-moe\[hf\]'"):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[hf\]"'):
         MoETransformer.from_pretrained(tmp_path)

@@ -414,13 +414,13 @@ def test_apply_token_alignment_sets_keeps_and_refuses():
 
 @needs_no_te
 def test_missing_transformer_engine_names_the_extra():
-    with pytest.raises(ImportError, match=r"lightning-moe\[te\]"):
+    with pytest.raises(ImportError, match=r"pip install -e \"\.\[te\]\""):
         import_te()
-    with pytest.raises(ImportError, match=r"lightning-moe\[te\]"):
+    with pytest.raises(ImportError, match=r"pip install -e \"\.\[te\]\""):
         make_te_recipe("delayed")
-    with pytest.raises(ImportError, match=r"lightning-moe\[te\]"):
+    with pytest.raises(ImportError, match=r"pip install -e \"\.\[te\]\""):
         resolve_backend("te")
-    with pytest.raises(ImportError, match=r"lightning-moe\[te\]"):
+    with pytest.raises(ImportError, match=r"pip install -e \"\.\[te\]\""):
         MoEFP8Precision(backend="te")
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_moe.install_hints import install_hint
+
 __all__ = [
     "CONFIG_NAME",
     "INDEX_NAME",
@@ -46,7 +48,7 @@ def _safetensors():
     except ImportError as error:
         raise ImportError(
             "Reading or writing Hugging Face model directories needs the safetensors package: "
-            "pip install 'lightning-moe[hf]' (or pip install safetensors)."
+            f"{install_hint('hf')}."
         ) from error
     return safetensors
 
