@@ -70,17 +70,24 @@ class ResumableLoader(DataLoader):
 
     def __init__(self, dataset: Dataset, *, sampler: ResumableSampler, **kwargs: Any) -> None:
         super().__init__(dataset, sampler=sampler, **kwargs)
-        self._batches = 0  # handed out in the current (or last) iteration
+        # The epoch being iterated and the batches handed out in it (what a checkpoint records).
+        self._epoch, self._batches = getattr(sampler, "epoch", 0), 0
 
     def __iter__(self) -> Iterator[Any]:
+        if self._pending() is None:  # a new epoch (a restored position is kept until its epoch starts)
+            self._epoch, self._batches = getattr(self.sampler, "epoch", 0), 0
         # A generator: nothing is drawn until the first batch is asked for. Lightning creates the
         # iterator before it sets the epoch of a resumed fit; worker processes would draw then.
         return self._iterate()
 
+    def _pending(self) -> tuple[int, int] | None:
+        return getattr(self.sampler, "_skip", None)
+
     def _iterate(self) -> Iterator[Any]:
-        skip = getattr(self.sampler, "_skip", None)
-        self._batches = skip[1] // self.batch_size if skip is not None and skip[0] == self.sampler.epoch else 0
-        for batch in super().__iter__():
+        pending, epoch = self._pending(), getattr(self.sampler, "epoch", 0)
+        batches = pending[1] // self.batch_size if pending is not None and pending[0] == epoch else 0
+        self._epoch, self._batches = epoch, batches
+        for batch in super().__iter__():  # the sampler consumes the pending skip here
             self._batches += 1
             yield batch
 
@@ -92,7 +99,7 @@ class ResumableLoader(DataLoader):
     def state_dict(self) -> dict[str, int | None]:
         """``epoch``, ``batches`` handed out in it, and the layout they count in (replicas, batch size,
         seed, dataset length)."""
-        return {"epoch": getattr(self.sampler, "epoch", 0), "batches": self._batches, **self._layout()}
+        return {"epoch": self._epoch, "batches": self._batches, **self._layout()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Start the epoch ``state["epoch"]``, when it comes next, after its ``state["batches"]`` batches."""
@@ -107,7 +114,7 @@ class ResumableLoader(DataLoader):
             )
         if isinstance(self.sampler, ResumableSampler):
             self.sampler.skip(int(state["epoch"]), int(state["batches"]) * self.batch_size)
-        self._batches = int(state["batches"])
+        self._epoch, self._batches = int(state["epoch"]), int(state["batches"])
 
 
 class PaddedDataset(Dataset[tuple[Tensor, Tensor]]):
