@@ -19,6 +19,7 @@ from lightning_moe.data.files import (
     stdlib_dir,
 )
 from lightning_moe.data.hf_tokenizer import HFTokenizer
+from lightning_moe.data.split import CorpusSplit, TextPart, split_corpus
 from lightning_moe.data.text import PackedTokenDataset, Tokenizer, build_datasets
 from lightning_moe.data.token_files import is_token_directory, pretokenize, read_token_split
 from lightning_moe.data.tokenizer import ByteTokenizer
@@ -26,15 +27,18 @@ from lightning_moe.data.tokenizer import ByteTokenizer
 __all__ = [
     "SPLIT_BUCKETS",
     "ByteTokenizer",
+    "CorpusSplit",
     "HFTokenizer",
     "PackedTokenDataset",
     "TextFiles",
+    "TextPart",
     "Tokenizer",
     "build_datasets",
     "is_token_directory",
     "is_validation_document",
     "pretokenize",
     "read_token_split",
+    "split_corpus",
     "stdlib_corpus",
     "stdlib_dir",
 ]

@@ -22,7 +22,14 @@ import os
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lightning_moe.data import ByteTokenizer, HFTokenizer, build_datasets, is_token_directory
+from lightning_moe.data import (
+    ByteTokenizer,
+    CorpusSplit,
+    HFTokenizer,
+    build_datasets,
+    is_token_directory,
+    split_corpus,
+)
 from lightning_moe.data.loading import ResumableLoader, ResumableSampler, eval_loader
 from lightning_moe.data.token_files import read_token_meta
 from lightning_moe.lit.module import IGNORE_INDEX
@@ -37,7 +44,8 @@ class TextDataModule(L.LightningDataModule):
         source: a file, a directory or a glob of text files; None = the Python standard library.
         seq_len: tokens per sample.
         batch_size: samples per micro-batch on each data-parallel replica.
-        val_fraction: fraction of the documents held out for validation.
+        val_fraction: fraction of the documents held out for validation; a single document (one
+            file) is cut in two instead, its last lines for validation (see :meth:`split`).
         max_tokens: cap on the tokens read (keeps CPU demos small); None = everything.
         pattern: glob of the files taken from a directory ``source``.
         num_workers: DataLoader worker processes.
@@ -74,6 +82,17 @@ class TextDataModule(L.LightningDataModule):
         if is_token_directory(self.hparams.source):
             return int(read_token_meta(self.hparams.source)["vocab_size"])
         return self.tokenizer.vocab_size
+
+    def split(self) -> CorpusSplit:
+        """How ``source`` splits into training and validation for ``val_fraction``, without tokenizing.
+
+        :func:`~lightning_moe.data.split_corpus` (what :meth:`setup` uses): several documents by
+        document, a single one cut at a line boundary near ``1 - val_fraction`` of its text. Its
+        ``num_documents`` and ``by`` say what happens; raises ``FileNotFoundError`` for a missing
+        or empty source and ``ValueError`` for an invalid ``val_fraction``, a document too short
+        to cut, or a pre-tokenized ``source`` (its split was fixed by ``pretokenize``).
+        """
+        return split_corpus(self.hparams.source, self.hparams.val_fraction, self.hparams.pattern)
 
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenize the corpus (deterministic, identical on every rank)."""
