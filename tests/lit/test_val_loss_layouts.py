@@ -1,7 +1,8 @@
 """`TextDataModule`'s ``val_loss`` counts every validation sequence once, whatever the layout.
 
 Oracle: the mean cross-entropy over every target of the validation set, computed here from one
-forward of the whole set (same seed, same weights). ``Trainer.validate`` must log it on one
+forward of the whole set (same seed, same weights). ``Trainer.validate`` must log it (and its
+``exp`` as ``val_ppl``) on one
 process and on 4 gloo ranks at DP=4, PP=2 (DP=2, 2 micro-batches: a padded micro-batch holds no
 target) and CP=2 (DP=2). The 11 validation sequences fill no whole batch of 2 per rank: the ranks'
 last batches are padded with rows of ignored targets (the old loader dropped them: 8 of 11 counted
@@ -9,6 +10,8 @@ at DP=4, 10 on one process).
 """
 
 from __future__ import annotations
+
+import math
 
 import lightning as L
 import pytest
@@ -45,12 +48,12 @@ def _config() -> MoETransformerConfig:
     )
 
 
-def _validate(corpus: str, **layout) -> float:
+def _validate(corpus: str, **layout) -> tuple[float, float]:
     torch.manual_seed(0)
     module = MoELanguageModel(_config())
     trainer = L.Trainer(**quiet_trainer_kwargs(devices=torch.distributed.get_world_size(), strategy=MoEStrategy(**layout)))
     (metrics,) = trainer.validate(module, TextDataModule(corpus, seq_len=SEQ, batch_size=BATCH), verbose=False)
-    return float(metrics["val_loss"])
+    return float(metrics["val_loss"]), float(metrics["val_ppl"])
 
 
 def _one(rank: int, world: int, corpus: str) -> dict:
@@ -85,11 +88,12 @@ def runs(tmp_path_factory):
 def test_one_process_counts_every_validation_target(runs):
     one, _ = runs
     assert one["samples"] == VAL_SAMPLES
-    assert one["one process"] == pytest.approx(one["oracle"], rel=TOL, abs=TOL)
+    assert one["one process"] == pytest.approx((one["oracle"], math.exp(one["oracle"])), rel=TOL, abs=TOL)
 
 
 @pytest.mark.parametrize("layout", ["DP=4", "PP=2", "CP=2"])
 def test_val_loss_does_not_depend_on_the_layout(runs, layout):
     one, four = runs
     for rank, result in enumerate(four):
-        assert result[layout] == pytest.approx(one["oracle"], rel=TOL, abs=TOL), (layout, rank)
+        want = (one["oracle"], math.exp(one["oracle"]))  # (val_loss, val_ppl)
+        assert result[layout] == pytest.approx(want, rel=TOL, abs=TOL), (layout, rank)

@@ -4,7 +4,8 @@
 fit must train on exactly the batches the uninterrupted fit trains on after that step (none
 twice, none skipped), so its per-step losses and final parameters are identical. Oracle: the
 uninterrupted fit of the same layout, seed and `TextDataModule`. The stop falls in the second
-epoch (the sampler's order depends on the epoch) and the run ends in the third.
+epoch (the sampler's order depends on the epoch), or on the first epoch's last batch, and the run
+ends in the third.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ pytestmark = pytest.mark.distributed
 
 SEQ = 8
 STEPS_PER_EPOCH = 3  # 12 of the corpus's 13 samples per epoch: 2 replicas x batch 2, or 1 x batch 4
-STOP_AT, MAX_STEPS = 4, 7  # a stop in epoch 1 after its first batch; the run ends in epoch 2
-# On 2 ranks: (strategy arguments, batch size per replica).
+MAX_STEPS = 7  # the run ends in epoch 2
+# On 2 ranks: (strategy arguments, batch size per replica, steps to stop at). Step 4: in epoch 1,
+# after its first batch; step 3: at epoch 0's last batch.
 LAYOUTS = {
-    "NO_SHARD": ({}, 2),
-    "FULL_SHARD": ({"sharding_strategy": "FULL_SHARD"}, 2),
-    "PP=2": ({"pipeline_parallel_size": 2, "num_microbatches": 2}, 4),
-    "CP=2": ({"context_parallel_size": 2}, 4),
+    "NO_SHARD": ({}, 2, (4, 3)),
+    "FULL_SHARD": ({"sharding_strategy": "FULL_SHARD"}, 2, (4,)),
+    "PP=2": ({"pipeline_parallel_size": 2, "num_microbatches": 2}, 4, (4,)),
+    "CP=2": ({"context_parallel_size": 2}, 4, (4,)),
 }
 
 
@@ -78,7 +80,7 @@ class TermAt(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _fit(corpus: str, ckpt_dir: str, layout: tuple[dict, int], stop: int | None = None, resume: bool = False) -> dict:
+def _fit(corpus: str, ckpt_dir: str, layout: tuple, stop: int | None = None, resume: bool = False) -> dict:
     torch.manual_seed(0)
     record = Record()
     callbacks = [record] + ([TermAt(stop)] if stop is not None else []) + [CheckpointOnSigterm(dirpath=ckpt_dir)]
@@ -100,12 +102,11 @@ def _fit(corpus: str, ckpt_dir: str, layout: tuple[dict, int], stop: int | None 
 def _stop_and_resume(rank: int, world: int, corpus: str, root: str, layouts: dict) -> dict:
     results = {}
     for name, layout in layouts.items():
-        ckpt_dir = f"{root}/{name}"
-        results[name] = {
-            "uninterrupted": _fit(corpus, ckpt_dir, layout),
-            "stopped": _fit(corpus, ckpt_dir, layout, stop=STOP_AT),
-            "resumed": _fit(corpus, ckpt_dir, layout, resume=True),
-        }
+        results[name] = {"uninterrupted": _fit(corpus, f"{root}/{name}", layout)}
+        for stop in layout[2]:
+            ckpt_dir = f"{root}/{name}-{stop}"
+            results[name][stop] = {"stopped": _fit(corpus, ckpt_dir, layout, stop=stop),
+                                   "resumed": _fit(corpus, ckpt_dir, layout, resume=True)}
     return results
 
 
@@ -120,14 +121,17 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sigterm_resume_equals_the_uninterrupted_run(runs, layout):
     for rank, run in enumerate(runs[layout]):
-        want, stopped, resumed = run["uninterrupted"], run["stopped"], run["resumed"]
+        want = run["uninterrupted"]
         assert want["batches"] == STEPS_PER_EPOCH, (layout, rank, want["batches"])
-        assert want["step"] == resumed["step"] == MAX_STEPS and stopped["step"] == STOP_AT, (layout, rank)
         assert sorted(want["losses"]) == list(range(1, MAX_STEPS + 1))
-        got = {**stopped["losses"], **resumed["losses"]}
-        assert sorted(got) == sorted(want["losses"]), (layout, rank, sorted(got))
-        differ = {step: (got[step], want["losses"][step]) for step in want["losses"] if got[step] != want["losses"][step]}
-        assert not differ, f"{layout} rank {rank}: steps whose loss differs after the resume (got, want): {differ}"
-        for name, value in want["params"].items():
-            torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=0,
-                                       msg=lambda m, n=name, r=rank: f"{layout} rank {r} {n}: {m}")
+        for stop in LAYOUTS[layout][2]:
+            stopped, resumed = run[stop]["stopped"], run[stop]["resumed"]
+            label = f"{layout} stopped at step {stop}, rank {rank}"
+            assert (stopped["step"], resumed["step"]) == (stop, MAX_STEPS), label
+            got = {**stopped["losses"], **resumed["losses"]}
+            assert sorted(got) == sorted(want["losses"]), (label, sorted(got))
+            differ = {step: (got[step], loss) for step, loss in want["losses"].items() if got[step] != loss}
+            assert not differ, f"{label}: steps whose loss differs after the resume (got, want): {differ}"
+            for name, value in want["params"].items():
+                torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=0,
+                                           msg=lambda m, n=name, where=label: f"{where} {n}: {m}")
