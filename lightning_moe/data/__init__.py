@@ -1,7 +1,10 @@
 """Text data: byte tokenizer (no download) or a Hugging Face ``tokenizer.json``, corpora, packed datasets.
 
-Core code (docs/architecture.md §1): no ``lightning`` and no ``torch.distributed`` here; Lightning's
-``DistributedSampler`` shards the map-style datasets over data-parallel replicas.
+Core code (docs/architecture.md §1): no ``lightning`` and no ``torch.distributed`` collectives here;
+the data-parallel rank and size are arguments. :mod:`lightning_moe.data.loading` has the samplers
+that deal the map-style datasets over data-parallel replicas (training resumable mid-epoch,
+validation without drops or repeats); :func:`split_corpus` splits a corpus into training and
+validation (by document, or one document at a line boundary).
 
 >>> from lightning_moe.data import ByteTokenizer, build_datasets
 >>> train, val = build_datasets(None, seq_len=128, val_fraction=0.05, max_tokens=100_000)

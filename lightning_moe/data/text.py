@@ -3,8 +3,9 @@
 The documents are encoded one after another, each followed by the tokenizer's EOS, into one token
 stream; the stream is cut into consecutive, non-overlapping chunks of ``seq_len + 1`` tokens, and
 chunk ``i`` gives ``inputs = chunk[:-1]``, ``targets = chunk[1:]``. The tail shorter than a chunk
-is dropped. The dataset is map-style, so Lightning's ``DistributedSampler`` shards it over
-data-parallel replicas and shuffles it by epoch seed; everything before that is deterministic.
+is dropped. The dataset is map-style, so a sampler (:mod:`lightning_moe.data.loading`, or torch's
+``DistributedSampler``) shards it over data-parallel replicas and shuffles it by epoch seed;
+everything before that is deterministic.
 """
 
 from __future__ import annotations

@@ -62,8 +62,9 @@ def pretokenize(
 ) -> Path:
     """Tokenize the corpus ``source`` (as :func:`~lightning_moe.data.build_datasets` reads it) into ``output``.
 
-    ``tokenizer`` defaults to the byte tokenizer. The split is fixed here: reading the directory
-    with another ``val_fraction`` is refused. Returns ``output``.
+    ``tokenizer`` defaults to the byte tokenizer. The split is fixed here (by document, or a single
+    document cut at a line boundary: :func:`~lightning_moe.data.split_corpus`): reading the
+    directory with another ``val_fraction`` is refused. Returns ``output``.
     """
     from lightning_moe.data.split import split_corpus
     from lightning_moe.data.tokenizer import ByteTokenizer
