@@ -3,8 +3,9 @@
 The documents are encoded one after another, each followed by the tokenizer's EOS, into one token
 stream; the stream is cut into consecutive, non-overlapping chunks of ``seq_len + 1`` tokens, and
 chunk ``i`` gives ``inputs = chunk[:-1]``, ``targets = chunk[1:]``. The tail shorter than a chunk
-is dropped. The dataset is map-style, so Lightning's ``DistributedSampler`` shards it over
-data-parallel replicas and shuffles it by epoch seed; everything before that is deterministic.
+is dropped. The dataset is map-style, so a sampler (:mod:`lightning_moe.data.loading`, or torch's
+``DistributedSampler``) shards it over data-parallel replicas and shuffles it by epoch seed;
+everything before that is deterministic.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_moe.data.files import PathLike, TextFiles, stdlib_corpus, stdlib_dir
+from lightning_moe.data.files import PathLike
+from lightning_moe.data.split import CorpusSplit, split_corpus
 from lightning_moe.data.token_files import is_token_directory, read_token_meta, read_token_split
 from lightning_moe.data.tokenizer import ByteTokenizer
 
@@ -157,12 +159,6 @@ class PackedTokenDataset(Dataset[tuple[Tensor, Tensor]]):
         )
 
 
-def _stdlib_files() -> TextFiles:
-    # Relative to the stdlib directory itself, so the split keys are the module paths ("json/decoder.py").
-    root = stdlib_dir()
-    return TextFiles(root, tuple(path.relative_to(root).as_posix() for path in stdlib_corpus()))
-
-
 def build_datasets(
     source: PathLike | Sequence[PathLike] | None,
     seq_len: int,
@@ -183,7 +179,9 @@ def build_datasets(
             ``val_fraction`` must be the one it was written with).
         seq_len: tokens per sample.
         val_fraction: share of documents for validation, in ``[0, 1)``; see :meth:`TextFiles.split`.
-            ``0`` gives no validation dataset (``None``).
+            ``0`` gives no validation dataset (``None``). A corpus of one document (one file) is
+            cut in two instead: its last lines, about ``val_fraction`` of it, for validation (see
+            :func:`~lightning_moe.data.split.split_corpus`, which makes every split here).
         max_tokens: total tokens to read, for small demos. Validation gets
             ``max(seq_len + 1, round(max_tokens * val_fraction))`` of them, training the rest;
             each side reads its documents in order and stops at its share. ``None`` reads all.
@@ -198,8 +196,7 @@ def build_datasets(
     pretokenized = is_token_directory(source)
     if not pretokenized:
         tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
-        files = _stdlib_files() if source is None else TextFiles.discover(source, pattern)
-        train_files, val_files = files.split(val_fraction)
+        split = split_corpus(source, val_fraction, pattern)
 
     train_cap = val_cap = max_tokens
     if max_tokens is not None and val_fraction > 0:
@@ -215,8 +212,8 @@ def build_datasets(
             )
     if pretokenized:
         return _token_datasets(Path(source), seq_len, val_fraction, train_cap, val_cap)
-    train = _split_dataset("training", train_files, tokenizer, seq_len, train_cap)
-    val = _split_dataset("validation", val_files, tokenizer, seq_len, val_cap) if val_fraction > 0 else None
+    train = _split_dataset("training", split, "train", tokenizer, seq_len, train_cap)
+    val = _split_dataset("validation", split, "val", tokenizer, seq_len, val_cap) if val_fraction > 0 else None
     return train, val
 
 
@@ -249,9 +246,9 @@ def _token_budget(max_tokens: int, seq_len: int, val_fraction: float) -> tuple[i
 
 
 def _split_dataset(
-    name: str, files: TextFiles, tokenizer: Tokenizer, seq_len: int, max_tokens: int | None
+    name: str, split: CorpusSplit, side: str, tokenizer: Tokenizer, seq_len: int, max_tokens: int | None
 ) -> PackedTokenDataset:
     try:
-        return PackedTokenDataset(files, tokenizer, seq_len, max_tokens)
+        return PackedTokenDataset(split.train if side == "train" else split.val, tokenizer, seq_len, max_tokens)
     except ValueError as err:
-        raise ValueError(f"{name} split ({len(files)} files under {files.root}): {err}") from None
+        raise ValueError(f"{name} split ({split.describe(side)}): {err}") from None

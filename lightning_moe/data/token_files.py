@@ -62,16 +62,16 @@ def pretokenize(
 ) -> Path:
     """Tokenize the corpus ``source`` (as :func:`~lightning_moe.data.build_datasets` reads it) into ``output``.
 
-    ``tokenizer`` defaults to the byte tokenizer. The split is fixed here: reading the directory
-    with another ``val_fraction`` is refused. Returns ``output``.
+    ``tokenizer`` defaults to the byte tokenizer. The split is fixed here (by document, or a single
+    document cut at a line boundary: :func:`~lightning_moe.data.split_corpus`): reading the
+    directory with another ``val_fraction`` is refused. Returns ``output``.
     """
-    from lightning_moe.data.files import TextFiles
-    from lightning_moe.data.text import _stdlib_files
+    from lightning_moe.data.split import split_corpus
     from lightning_moe.data.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
-    files = _stdlib_files() if source is None else TextFiles.discover(source, pattern)
-    train, val = files.split(val_fraction)
+    split = split_corpus(source, val_fraction, pattern)
+    train, val = split.train, split.val
     vocab = int(getattr(tokenizer, "vocab_size", 2**31 - 1))
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.int32)
     path = Path(output)

@@ -2,17 +2,37 @@
 
 By default it trains on the Python standard library's source files of the running machine (real
 text, present everywhere), split deterministically into training and validation documents. Any
-file, directory or glob can replace it. Samples are split over data-parallel replicas by the
-distributed sampler Lightning injects (``MoEStrategy`` gives it the dense DP size and rank).
+file, directory or glob can replace it. Samples are split over the data-parallel replicas (the
+strategy's ``distributed_sampler_kwargs``: under ``MoEStrategy`` the dense DP size and rank, so
+TP/CP/PP ranks of one replica read the same samples) by the module's own samplers
+(:mod:`lightning_moe.data.loading`):
+
+* training shuffles as Lightning's injected ``DistributedSampler`` does (seed: ``seed_everything``'s,
+  else 0, plus the epoch), and its position in the epoch is saved in every checkpoint, so a fit
+  resumed from a mid-epoch checkpoint (``CheckpointOnSigterm``, ``every_n_train_steps``) trains
+  on exactly the batches the uninterrupted fit would;
+* validation counts every sequence once, whatever the number of replicas: each replica gets its
+  share in order, padded to full batches with rows whose targets are all ignored (``-100``).
 """
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 from torch.utils.data import DataLoader
 
-from lightning_moe.data import ByteTokenizer, HFTokenizer, build_datasets, is_token_directory
+from lightning_moe.data import (
+    ByteTokenizer,
+    CorpusSplit,
+    HFTokenizer,
+    build_datasets,
+    is_token_directory,
+    split_corpus,
+)
+from lightning_moe.data.loading import ResumableLoader, ResumableSampler, eval_loader
 from lightning_moe.data.token_files import read_token_meta
+from lightning_moe.lit.module import IGNORE_INDEX
 
 __all__ = ["TextDataModule"]
 
@@ -24,7 +44,8 @@ class TextDataModule(L.LightningDataModule):
         source: a file, a directory or a glob of text files; None = the Python standard library.
         seq_len: tokens per sample.
         batch_size: samples per micro-batch on each data-parallel replica.
-        val_fraction: fraction of the documents held out for validation.
+        val_fraction: fraction of the documents held out for validation; a single document (one
+            file) is cut in two instead, its last lines for validation (see :meth:`split`).
         max_tokens: cap on the tokens read (keeps CPU demos small); None = everything.
         pattern: glob of the files taken from a directory ``source``.
         num_workers: DataLoader worker processes.
@@ -62,6 +83,17 @@ class TextDataModule(L.LightningDataModule):
             return int(read_token_meta(self.hparams.source)["vocab_size"])
         return self.tokenizer.vocab_size
 
+    def split(self) -> CorpusSplit:
+        """How ``source`` splits into training and validation for ``val_fraction``, without tokenizing.
+
+        :func:`~lightning_moe.data.split_corpus` (what :meth:`setup` uses): several documents by
+        document, a single one cut at a line boundary near ``1 - val_fraction`` of its text. Its
+        ``num_documents`` and ``by`` say what happens; raises ``FileNotFoundError`` for a missing
+        or empty source and ``ValueError`` for an invalid ``val_fraction``, a document too short
+        to cut, or a pre-tokenized ``source`` (its split was fixed by ``pretokenize``).
+        """
+        return split_corpus(self.hparams.source, self.hparams.val_fraction, self.hparams.pattern)
+
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenize the corpus (deterministic, identical on every rank)."""
         if self.train_set is None:
@@ -70,18 +102,39 @@ class TextDataModule(L.LightningDataModule):
                 hp.source, hp.seq_len, hp.val_fraction, hp.max_tokens, self.tokenizer, pattern=hp.pattern
             )
 
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training samples (the distributed sampler keeps the shuffle, seeded)."""
-        return DataLoader(
-            self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+    def _data_parallel(self) -> tuple[int, int]:
+        """``(replicas, rank)`` of this process: the strategy's sampler arguments, ``(1, 0)`` without a
+        parallel strategy (or a trainer)."""
+        trainer = self.trainer
+        kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
+        return (int(kwargs["num_replicas"]), int(kwargs["rank"])) if kwargs else (1, 0)
+
+    def train_dataloader(self) -> ResumableLoader:
+        """This replica's shuffled training batches (the last partial batch dropped), resumable mid-epoch.
+
+        The order is Lightning's ``DistributedSampler``'s for the seed of ``seed_everything``
+        (``PL_GLOBAL_SEED``, else 0), at any number of replicas (one included); the loader's
+        position in the epoch goes into checkpoints (:class:`~lightning_moe.data.loading.ResumableLoader`).
+        """
+        replicas, rank = self._data_parallel()
+        sampler = ResumableSampler(
+            self.train_set, num_replicas=replicas, rank=rank, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0))
+        )
+        return ResumableLoader(
+            self.train_set, sampler=sampler, batch_size=self.hparams.batch_size, drop_last=True,
             num_workers=self.hparams.num_workers,
         )
 
     def val_dataloader(self) -> DataLoader | list:
-        """Validation samples in order (none when ``val_fraction`` is 0)."""
+        """This replica's validation batches, in order (none when ``val_fraction`` is 0).
+
+        Every sequence is in exactly one replica's batches; the replicas' last batches are padded
+        to ``batch_size`` rows whose targets are all ``-100`` (ignored), so each runs the same
+        number of full batches (see :func:`~lightning_moe.data.loading.eval_loader`).
+        """
         if self.val_set is None:
             return []
-        return DataLoader(
-            self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,
-            num_workers=self.hparams.num_workers,
+        replicas, rank = self._data_parallel()
+        return eval_loader(
+            self.val_set, self.hparams.batch_size, replicas, rank, IGNORE_INDEX, num_workers=self.hparams.num_workers
         )

@@ -19,9 +19,12 @@ from lightning_moe.data import (
     TextFiles,
     build_datasets,
     is_validation_document,
+    pretokenize,
+    split_corpus,
     stdlib_corpus,
     stdlib_dir,
 )
+from lightning_moe.lit import TextDataModule
 
 TOK = ByteTokenizer()
 EOS = TOK.eos_id
@@ -275,6 +278,38 @@ def test_split_errors(corpus):
         TextFiles.discover(corpus / "doc00.txt").split(0.1)
     train, val = TextFiles.discover(corpus / "doc00.txt").split(0.0)
     assert len(train) == 1 and len(val) == 0
+
+
+def test_one_file_is_split_by_lines_with_the_default_val_fraction(tmp_path):
+    text = "".join(f"line {i}: " + "héllo " * (i % 7) + "\n" for i in range(200))
+    path = _write(tmp_path, {"only.txt": text}) / "only.txt"
+    train, val = build_datasets(path, seq_len=16)  # the default val_fraction, 0.05
+    # Oracle: the file. Validation is its last lines, the cut the line start nearest 95% of it.
+    starts = [i + 1 for i, char in enumerate(text[:-1]) if char == "\n"]
+    cut = min(starts, key=lambda i: abs(i - round(0.95 * len(text))))
+    assert train.tokens.tolist() == _stream([text[:cut]]) and val.tokens.tolist() == _stream([text[cut:]])
+    assert train.num_documents == val.num_documents == 1
+    split = split_corpus(path, 0.05)
+    assert (split.by, split.num_documents) == ("lines", 1) and list(split.train) + list(split.val) == [text[:cut], text[cut:]]
+    assert TextDataModule(str(path), seq_len=16).split().by == "lines"
+
+
+def test_one_line_is_split_by_characters_and_a_too_small_part_is_named(tmp_path):
+    root = _write(tmp_path, {"line.txt": "x" * 400, "tiny.txt": "y"})
+    split = split_corpus(root / "line.txt", 0.1)
+    assert split.by == "characters" and (list(split.train), list(split.val)) == (["x" * 360], ["x" * 40])
+    with pytest.raises(ValueError, match=r"validation split \(characters \[360:\] of .*line.txt\): the corpus has 41"):
+        build_datasets(root / "line.txt", seq_len=64, val_fraction=0.1)
+    with pytest.raises(ValueError, match=r"tiny.txt is the only document and holds 1 characters: .* or set val_fraction=0"):
+        split_corpus(root / "tiny.txt", 0.05)
+
+
+def test_pretokenize_splits_one_file_as_build_datasets_does(tmp_path):
+    path = _write(tmp_path, {"only.txt": "".join(f"row {i}\n" for i in range(300))}) / "only.txt"
+    from_text = build_datasets(path, seq_len=8)
+    from_tokens = build_datasets(pretokenize(path, tmp_path / "tokens"), seq_len=8)
+    for a, b in zip(from_text, from_tokens):
+        assert a.tokens.tolist() == b.tokens.tolist()
 
 
 # --- build_datasets over a directory ------------------------------------------------------------
