@@ -12,6 +12,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from lightning_moe.data import ByteTokenizer, HFTokenizer, build_datasets, is_token_directory
+from lightning_moe.data.token_check import CheckedCollate
 from lightning_moe.data.token_files import read_token_meta
 
 __all__ = ["TextDataModule"]
@@ -36,6 +37,10 @@ class TextDataModule(L.LightningDataModule):
 
     A ``source`` written by :func:`~lightning_moe.data.pretokenize` is read as memory-mapped token
     files, without tokenizing; its vocabulary size is the one recorded there.
+
+    Every batch is checked on the host, as it is collated, for ids outside ``[0, vocab_size)``
+    (:class:`~lightning_moe.data.token_check.CheckedCollate`): a corpus pre-tokenized with another
+    tokenizer fails with the offending id instead of training on it.
     """
 
     def __init__(
@@ -74,7 +79,7 @@ class TextDataModule(L.LightningDataModule):
         """Shuffled training samples (the distributed sampler keeps the shuffle, seeded)."""
         return DataLoader(
             self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-            num_workers=self.hparams.num_workers,
+            num_workers=self.hparams.num_workers, collate_fn=CheckedCollate(self.vocab_size, "training"),
         )
 
     def val_dataloader(self) -> DataLoader | list:
@@ -83,5 +88,5 @@ class TextDataModule(L.LightningDataModule):
             return []
         return DataLoader(
             self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,
-            num_workers=self.hparams.num_workers,
+            num_workers=self.hparams.num_workers, collate_fn=CheckedCollate(self.vocab_size, "validation"),
         )

@@ -22,6 +22,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.text import Perplexity
 
+from lightning_moe.data.token_check import check_token_ids
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss, next_token_loss_sum
 from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
@@ -171,6 +172,9 @@ class MoELanguageModel(L.LightningModule):
         model_overrides: with ``init_from``, fields of the configuration read from ``config.json``
             to replace (training settings such as ``max_seq_len``; ``moe`` takes a mapping of
             :class:`~lightning_moe.MoEConfig` fields, e.g. ``{"aux_loss_coeff": 0.01}``).
+        check_every_batch: check the token ids of every batch against ``vocab_size`` (a debugging
+            switch: one host read per step). By default only the first batch of each stage (fit,
+            validate, test, predict) is checked, so training pays no per-step host read.
 
     With ``init_from`` under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is
     built on the meta device, parallelised and materialised by the strategy, and each rank then
@@ -190,6 +194,7 @@ class MoELanguageModel(L.LightningModule):
         min_lr_ratio: float = 0.1,
         init_from: str | None = None,
         model_overrides: dict[str, Any] | None = None,
+        check_every_batch: bool = False,
     ) -> None:
         super().__init__()
         self.config, family, extra = _resolve_config(model, init_from, model_overrides)
@@ -199,7 +204,7 @@ class MoELanguageModel(L.LightningModule):
             "model": None if model is None else asdict(model), "learning_rate": learning_rate,
             "weight_decay": weight_decay, "betas": list(betas), "warmup_steps": warmup_steps,
             "min_lr_ratio": min_lr_ratio, "init_from": None if init_from is None else str(init_from),
-            "model_overrides": model_overrides,
+            "model_overrides": model_overrides, "check_every_batch": check_every_batch,
         })
         self.init_from = init_from
         # Whether init_from's weights still have to be read (a restored checkpoint clears it).
@@ -209,6 +214,9 @@ class MoELanguageModel(L.LightningModule):
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
         self._step_started: float | None = None
+        # The stages (training, validation, ...) whose first batch's token ids were checked.
+        self._checked_stages: set[str] = set()
+        self.check_every_batch = check_every_batch
 
     def configure_model(self) -> None:
         """Build the transformer (once; on the meta device under ``Trainer.init_module(empty_init=True)``,
@@ -266,8 +274,9 @@ class MoELanguageModel(L.LightningModule):
         self._load_pending_weights()
 
     def setup(self, stage: str) -> None:
-        """Check that the data's vocabulary fits the model's."""
-        datamodule = getattr(self.trainer, "datamodule", None)
+        """Check that the data's vocabulary fits the model's (and check each loop's first batch again)."""
+        self._checked_stages.clear()
+        datamodule = getattr(self._trainer, "datamodule", None)  # None outside a Trainer
         data_vocab = getattr(datamodule, "vocab_size", None)
         if data_vocab is not None and data_vocab > self.config.vocab_size:
             raise ValueError(
@@ -342,7 +351,43 @@ class MoELanguageModel(L.LightningModule):
         self.val_perplexity(logits.float(), targets)
         self.log("val_ppl", self.val_perplexity)
 
+    def check_token_ids(self, batch: Any, stage: str, batch_idx: int) -> None:
+        """Refuse a batch holding a token id outside ``[0, vocab_size)``, naming it, its position and the fix.
+
+        Without this, an id past the vocabulary trains silently under tensor parallelism (the
+        vocabulary-parallel embedding gives it a zero row) and fails with torch's bare ``index out
+        of range`` otherwise. Runs on the first batch of each stage, or on every batch with
+        ``check_every_batch`` (each check is one host read). ``batch`` is ``(inputs, targets)`` or
+        the inputs alone; targets equal to ``IGNORE_INDEX`` are allowed.
+        """
+        if stage in self._checked_stages and not self.check_every_batch:
+            return
+        self._checked_stages.add(stage)
+        if isinstance(batch, (tuple, list)):
+            inputs, targets = batch[0], (batch[1] if len(batch) > 1 else None)
+        else:
+            inputs, targets = batch, None
+        vocab = self.config.vocab_size
+        if isinstance(inputs, Tensor):
+            check_token_ids(inputs, vocab, f"{stage} batch {batch_idx} inputs")
+        if isinstance(targets, Tensor):
+            check_token_ids(targets, vocab, f"{stage} batch {batch_idx} targets", ignore_index=IGNORE_INDEX)
+
+    def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``)."""
+        self.check_token_ids(batch, "validation", batch_idx)
+
+    def on_test_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``)."""
+        self.check_token_ids(batch, "test", batch_idx)
+
+    def on_predict_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``)."""
+        self.check_token_ids(batch, "predict", batch_idx)
+
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``); starts the step timer."""
+        self.check_token_ids(batch, "training", batch_idx)
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
