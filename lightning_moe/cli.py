@@ -7,6 +7,8 @@
     lightning-moe fit --model.help MoELanguageModel --model.model.moe.help   # its MoE layers' options
     lightning-moe export CKPT OUT                              # a checkpoint's weights as one file
     lightning-moe export CKPT OUT_DIR --format hf              # ... as a Hugging Face model directory
+    lightning-moe generate CKPT --prompt "def main("           # continue a prompt (greedy; --temperature samples)
+    lightning-moe test --config ... --ckpt_path CKPT           # test_loss / test_ppl on the held-out documents
     lightning-moe fit --config examples/configs/hf_finetune_tiny.yaml   # fine-tune a Hugging Face model
 
 A LightningCLI whose ``model:`` and ``data:`` are any LightningModule and LightningDataModule,
@@ -31,7 +33,9 @@ of a checkpoint of any layout, sharded or consolidated, as one ``torch.save`` fi
 ``export --format hf`` writes the reference model of such a checkpoint as a Hugging Face directory
 (``config.json`` + safetensors) that ``transformers`` loads
 (:mod:`lightning_moe.parallel.checkpoint_export_hf`). ``model: {init_from: DIR}`` starts training
-from a Hugging Face directory (:class:`~lightning_moe.lit.MoELanguageModel`).
+from a Hugging Face directory (:class:`~lightning_moe.lit.MoELanguageModel`). ``generate``
+(:mod:`lightning_moe.cli_generate`) continues a prompt with such a checkpoint in one process, with
+the run's tokenizer.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_moe.strategies  # noqa: F401  (registers strategy="moe")
+from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
 from lightning_moe.parallel.checkpoint_export_hf import export_hf
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
@@ -161,6 +166,7 @@ class MoECLI(LightningCLI):
         subcommands = getattr(parser, "_subcommands_action", None)
         if subcommands is not None:
             subcommands.add_subcommand("export", export_parser(), help=EXPORT_HELP)
+            subcommands.add_subcommand("generate", generate_parser(), help=GENERATE_HELP)
 
     def after_instantiate_classes(self) -> None:
         """Check the model against the layout before the subcommand launches any process."""
@@ -168,12 +174,15 @@ class MoECLI(LightningCLI):
             check_layout_before_launch(self.model, self.trainer.strategy)
 
 
-def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint:
+def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint | Generated:
     """Run the CLI on ``args`` (default: the command line) and return it (for tests and notebooks);
-    ``export ...`` returns what :func:`export_main` exported."""
+    ``export ...`` returns what :func:`export_main` exported, ``generate ...`` what
+    :func:`~lightning_moe.cli_generate.generate_main` generated."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
+    if argv[:1] == ["generate"]:
+        return generate_main(argv[1:])
     # Field docstrings of the config dataclasses become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     return MoECLI(

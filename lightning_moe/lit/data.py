@@ -38,6 +38,10 @@ class TextDataModule(L.LightningDataModule):
     A ``source`` written by :func:`~lightning_moe.data.pretokenize` is read as memory-mapped token
     files, without tokenizing; its vocabulary size is the one recorded there.
 
+    ``test_dataloader`` and ``predict_dataloader`` give the validation split (the held-out
+    documents; there is no third split), so ``Trainer.test`` reports the validation metrics of the
+    weights it is given as ``test_loss`` and ``test_ppl``.
+
     Every batch is checked on the host, as it is collated, for ids outside ``[0, vocab_size)``
     (:class:`~lightning_moe.data.token_check.CheckedCollate`): a corpus pre-tokenized with another
     tokenizer fails with the offending id instead of training on it.
@@ -89,4 +93,26 @@ class TextDataModule(L.LightningDataModule):
         return DataLoader(
             self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,
             num_workers=self.hparams.num_workers, collate_fn=CheckedCollate(self.vocab_size, "validation"),
+        )
+
+    def _held_out(self, stage: str) -> None:
+        # No third split: the held-out documents are the only text the model did not train on.
+        if self.val_set is None:
+            raise ValueError(
+                f"TextDataModule's {stage} data are the held-out (validation) documents, but val_fraction=0 holds "
+                "none out; set data.val_fraction > 0 (e.g. 0.05)."
+            )
+
+    def test_dataloader(self) -> DataLoader:
+        """The validation samples (``Trainer.test`` reports ``test_loss``/``test_ppl`` on the held-out documents)."""
+        self._held_out("test")
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """Every validation sample (the last batch may be smaller), as ``(inputs, targets)`` batches
+        (``Trainer.predict`` uses the inputs)."""
+        self._held_out("predict")
+        return DataLoader(
+            self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=False,
+            num_workers=self.hparams.num_workers, collate_fn=CheckedCollate(self.vocab_size, "predict"),
         )

@@ -4,8 +4,10 @@ Written for one device like any LightningModule; ``Trainer(strategy=MoEStrategy(
 parallel. It logs what people look at while training a language model: ``train_loss`` (progress
 bar), ``val_loss`` and ``val_ppl`` (per target token, torchmetrics metrics; the same values under
 pipeline parallelism), the learning rate and ``tokens_per_sec`` (global tokens consumed per second
-of wall time). A micro-batch whose targets are all ``IGNORE_INDEX`` has loss 0 (no NaN, no
-gradient); an empty batch is refused.
+of wall time). ``Trainer.test`` logs the validation metrics as ``test_loss`` and ``test_ppl``;
+``Trainer.predict`` returns next-token log-probabilities (:meth:`MoELanguageModel.predict_step`).
+A micro-batch whose targets are all ``IGNORE_INDEX`` has loss 0 (no NaN, no gradient); an empty
+batch is refused.
 """
 
 from __future__ import annotations
@@ -213,6 +215,8 @@ class MoELanguageModel(L.LightningModule):
         self.val_loss = TokenMeanLoss()
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
+        self.test_loss = TokenMeanLoss()
+        self.test_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self._step_started: float | None = None
         # The stages (training, validation, ...) whose first batch's token ids were checked.
         self._checked_stages: set[str] = set()
@@ -384,6 +388,34 @@ class MoELanguageModel(L.LightningModule):
     def on_predict_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``)."""
         self.check_token_ids(batch, "predict", batch_idx)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        """``test_loss`` and ``test_ppl``: :meth:`validation_step`'s metrics on the test data (with
+        :class:`~lightning_moe.lit.TextDataModule`, its held-out documents)."""
+        inputs, targets = batch
+        check_batch(inputs, targets, "test", batch_idx)
+        logits = self(inputs)
+        self.test_loss(self._loss(logits, targets), (targets != IGNORE_INDEX).sum())
+        self.log("test_loss", self.test_loss)
+        self.test_perplexity(logits.float(), targets)
+        self.log("test_ppl", self.test_perplexity)
+
+    def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        """Next-token log-probabilities ``[B, S, V]`` (fp32) of the inputs ``[B, S]``: entry ``[b, s, v]``
+        is ``log p(token s + 1 = v | tokens 0..s of sample b)``, so ``exp`` sums to 1 over ``v``.
+
+        ``batch`` is the inputs or a tuple whose first entry they are (``(inputs, targets)``, as
+        :class:`~lightning_moe.lit.TextDataModule` gives; the targets are not used). The log-probability
+        of the actual next tokens is ``out.gather(-1, targets.unsqueeze(-1))``. ``Trainer.predict``
+        returns one such tensor per batch (``B * S * V * 4`` bytes each: mind large vocabularies).
+        """
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if inputs.dim() != 2 or inputs.numel() == 0:
+            raise ValueError(
+                f"predict batch {batch_idx}: inputs must be a non-empty [B, S] tensor of token ids, got shape "
+                f"{tuple(inputs.shape)}."
+            )
+        return torch.log_softmax(self(inputs).float(), dim=-1)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``); starts the step timer."""

@@ -133,7 +133,10 @@ class PipelineDriver:
         module = strategy.lightning_module
         problems = []
         if trainer.state.fn in ("test", "predict"):
-            problems.append(f"Trainer.{trainer.state.fn} (only fit and validate run the schedules)")
+            problems.append(
+                f"Trainer.{trainer.state.fn} (only fit and validate run the schedules; the checkpoint loads at any "
+                f"layout: run {trainer.state.fn} with pipeline_parallel_size=1, or `lightning-moe generate CKPT`)"
+            )
         if not module.automatic_optimization:
             problems.append("manual optimization (the schedule runs forward and backward itself)")
         if trainer.accumulate_grad_batches != 1:
