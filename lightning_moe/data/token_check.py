@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-__all__ = ["CheckedCollate", "TokenIdError", "check_token_ids"]
+__all__ = ["TokenIdError", "check_batch_token_ids", "check_token_ids"]
 
 
 class TokenIdError(ValueError):
@@ -52,28 +52,23 @@ def check_token_ids(
     )
 
 
-class CheckedCollate:
-    """A DataLoader ``collate_fn``: ``default_collate``, then :func:`check_token_ids` of every tensor
-    of the batch against ``vocab_size`` on the host (the samples are CPU tensors there, so it costs
-    one comparison per batch and no device synchronisation). Picklable, for loader workers."""
 
-    def __init__(self, vocab_size: int, split: str) -> None:
-        self.vocab_size = vocab_size
-        self.split = split
+_DATA_HINT = (
+    "The data module's tokenizer promises ids below {vocab}: a pre-tokenized corpus written with another "
+    "tokenizer, or a tokenizer whose added tokens pass its vocab_size; tokenize the corpus again with the "
+    "tokenizer the model trains with."
+)
 
-    def __call__(self, samples: list) -> object:
-        """The collated batch, every tensor of it checked."""
-        from torch.utils.data import default_collate
 
-        batch = default_collate(samples)
-        parts = batch if isinstance(batch, (tuple, list)) else [batch]
-        names = ["inputs", "targets"] if len(parts) == 2 else [f"tensor {i}" for i in range(len(parts))]
-        for name, part in zip(names, parts):
-            if isinstance(part, Tensor):
-                check_token_ids(
-                    part, self.vocab_size, f"a {self.split} batch's {name}",
-                    hint=f"The data module's tokenizer promises ids below {self.vocab_size}: a pre-tokenized corpus "
-                    "written with another tokenizer, or a tokenizer whose added tokens pass its vocab_size; "
-                    "tokenize the corpus again with the tokenizer the model trains with.",
-                )
-        return batch
+def check_batch_token_ids(batch: object, vocab_size: int, split: str) -> None:
+    """:func:`check_token_ids` of every tensor of a data module's ``batch`` (``(inputs, targets)``, a
+    tensor, or a list of tensors) against its tokenizer's ``vocab_size``; targets may be ``-100``
+    (ignored), as padded evaluation rows are. ``split`` names the batch (``"training"`` ...)."""
+    parts = list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    names = ["inputs", "targets"] if len(parts) == 2 else [f"tensor {i}" for i in range(len(parts))]
+    for name, part in zip(names, parts):
+        if isinstance(part, Tensor):
+            check_token_ids(
+                part, vocab_size, f"a {split} batch's {name}", ignore_index=-100 if name == "targets" else None,
+                hint=_DATA_HINT.format(vocab=vocab_size),
+            )

@@ -12,7 +12,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from lightning_moe.data import ByteTokenizer, HFTokenizer, build_datasets, is_token_directory
-from lightning_moe.data.token_check import CheckedCollate
+from lightning_moe.data.token_check import check_batch_token_ids
 from lightning_moe.data.token_files import read_token_meta
 
 __all__ = ["TextDataModule"]
@@ -42,8 +42,8 @@ class TextDataModule(L.LightningDataModule):
     documents; there is no third split), so ``Trainer.test`` reports the validation metrics of the
     weights it is given as ``test_loss`` and ``test_ppl``.
 
-    Every batch is checked on the host, as it is collated, for ids outside ``[0, vocab_size)``
-    (:class:`~lightning_moe.data.token_check.CheckedCollate`): a corpus pre-tokenized with another
+    Every batch is checked on the host, before it moves to the device, for ids outside
+    ``[0, vocab_size)`` (:meth:`on_before_batch_transfer`): a corpus pre-tokenized with another
     tokenizer fails with the offending id instead of training on it.
     """
 
@@ -83,7 +83,7 @@ class TextDataModule(L.LightningDataModule):
         """Shuffled training samples (the distributed sampler keeps the shuffle, seeded)."""
         return DataLoader(
             self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-            num_workers=self.hparams.num_workers, collate_fn=CheckedCollate(self.vocab_size, "training"),
+            num_workers=self.hparams.num_workers,
         )
 
     def val_dataloader(self) -> DataLoader | list:
@@ -92,8 +92,15 @@ class TextDataModule(L.LightningDataModule):
             return []
         return DataLoader(
             self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,
-            num_workers=self.hparams.num_workers, collate_fn=CheckedCollate(self.vocab_size, "validation"),
+            num_workers=self.hparams.num_workers,
         )
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Refuse a batch with a token id outside ``[0, vocab_size)`` (on the host: these are CPU
+        tensors, so no device synchronisation), naming it and its position."""
+        stage = self.trainer.state.stage if self.trainer is not None else None  # "train", "validate", ...
+        check_batch_token_ids(batch, self.vocab_size, getattr(stage, "value", None) or "data")
+        return batch
 
     def _held_out(self, stage: str) -> None:
         # No third split: the held-out documents are the only text the model did not train on.
@@ -114,5 +121,5 @@ class TextDataModule(L.LightningDataModule):
         self._held_out("predict")
         return DataLoader(
             self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=False,
-            num_workers=self.hparams.num_workers, collate_fn=CheckedCollate(self.vocab_size, "predict"),
+            num_workers=self.hparams.num_workers,
         )

@@ -96,8 +96,9 @@ def _text_data(tmp_path) -> TextDataModule:
 
 def test_the_data_module_refuses_a_batch_with_an_id_past_its_tokenizer(tmp_path):
     data = _text_data(tmp_path)
-    with pytest.raises(TokenIdError, match=rf"a training batch's inputs: token id 319 .*vocab_size={data.vocab_size}\)"):
-        list(data.train_dataloader())
+    batch = next(iter(data.train_dataloader()))
+    with pytest.raises(TokenIdError, match=rf"a data batch's inputs: token id 319 .*vocab_size={data.vocab_size}\)"):
+        data.on_before_batch_transfer(batch, 0)  # what the Trainer calls on the host for each batch
 
 
 def _fit_tp2(rank: int, world: int, tmp: str) -> dict:
@@ -109,7 +110,7 @@ def _fit_tp2(rank: int, world: int, tmp: str) -> dict:
         )
     messages["model"] = str(err.value)
 
-    with pytest.raises(TokenIdError, match=r"a training batch's inputs: token id 319") as err:
+    with pytest.raises(TokenIdError, match=r"a train batch's inputs: token id 319") as err:
         _trainer(devices=world, strategy=MoEStrategy(**strategy)).fit(_module(BIG_VOCAB), datamodule=_text_data(Path(tmp)))
     messages["data"] = str(err.value)
     return messages
