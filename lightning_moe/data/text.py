@@ -22,7 +22,7 @@ from lightning_moe.data.files import PathLike, TextFiles, stdlib_corpus, stdlib_
 from lightning_moe.data.token_files import is_token_directory, read_token_meta, read_token_split
 from lightning_moe.data.tokenizer import ByteTokenizer
 
-__all__ = ["PackedTokenDataset", "Tokenizer", "build_datasets"]
+__all__ = ["PackedTokenDataset", "Tokenizer", "build_datasets", "split_documents"]
 
 # The stream is stored compactly and widened per sample; vocabularies never approach 2**31.
 _STREAM_DTYPE = torch.int32
@@ -163,6 +163,17 @@ def _stdlib_files() -> TextFiles:
     return TextFiles(root, tuple(path.relative_to(root).as_posix() for path in stdlib_corpus()))
 
 
+def split_documents(
+    source: PathLike | Sequence[PathLike] | None, val_fraction: float, pattern: str = "*.txt"
+) -> tuple[TextFiles, TextFiles]:
+    """``(train, val)`` documents of a text ``source`` as :func:`build_datasets` splits them, nothing read
+    but the file listing: cheap enough to check a configuration before training starts. ``None`` is
+    the standard library (:func:`stdlib_corpus`). Raises what :meth:`TextFiles.discover` and
+    :meth:`TextFiles.split` raise (a missing source, too few documents for ``val_fraction``)."""
+    files = _stdlib_files() if source is None else TextFiles.discover(source, pattern)
+    return files.split(val_fraction)
+
+
 def build_datasets(
     source: PathLike | Sequence[PathLike] | None,
     seq_len: int,
@@ -198,8 +209,7 @@ def build_datasets(
     pretokenized = is_token_directory(source)
     if not pretokenized:
         tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
-        files = _stdlib_files() if source is None else TextFiles.discover(source, pattern)
-        train_files, val_files = files.split(val_fraction)
+        train_files, val_files = split_documents(source, val_fraction, pattern)
 
     train_cap = val_cap = max_tokens
     if max_tokens is not None and val_fraction > 0:

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_moe.models import MoETransformer
+from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.pipeline import PipelineRunner, check_pipeline_options
 
 __all__ = ["PipelineDriver"]
@@ -151,7 +152,7 @@ class PipelineDriver:
         if not callable(getattr(module, "pipeline_loss", None)):
             problems.append(f"{type(module).__name__} without pipeline_loss(outputs, targets)")
         if problems:
-            raise ValueError("pipeline_parallel_size > 1 does not support: " + "; ".join(problems) + ".")
+            raise ConfigError("pipeline_parallel_size > 1 does not support: " + "; ".join(problems) + ".")
 
     def training_step(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
         """Zero the gradients, run the schedule on ``batch``, reduce once; returns (and logs) the loss."""
