@@ -191,7 +191,7 @@ class MoECLI(LightningCLI):
         launches any process (:mod:`lightning_moe.cli_checks`)."""
         if self.subcommand is not None:
             check_layout_before_launch(self.model, self.trainer.strategy)
-            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy)
+            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, self.subcommand)
 
 
 def _is_reference_model(class_path: Any) -> bool:

@@ -89,14 +89,15 @@ def _data_problems(datamodule: Any) -> list[str]:
     return []
 
 
-def config_problems(model: Any, datamodule: Any, strategy: Any) -> list[str]:
+def config_problems(model: Any, datamodule: Any, strategy: Any, subcommand: str | None = None) -> list[str]:
     """Every mistake visible in the built ``model``, ``datamodule`` and ``strategy`` (a ``MoEStrategy``;
-    anything else is not checked): the data module's ``batch_size`` against ``num_microbatches``
-    under PP; with :class:`~lightning_moe.lit.TextDataModule`, its ``seq_len`` against CP and TP
+    anything else is not checked) for ``subcommand`` (``fit``, ``test`` ...): ``test`` and
+    ``predict`` under PP; the data module's ``batch_size`` against ``num_microbatches`` under PP; with :class:`~lightning_moe.lit.TextDataModule`, its ``seq_len`` against CP and TP
     (:func:`sequence_multiple`) and the model's ``max_seq_len``, and its ``val_fraction`` against the
     corpus' documents (the data module's own split, :func:`~lightning_moe.data.text.split_documents`)."""
     from lightning_moe.lit import TextDataModule
     from lightning_moe.strategies import MoEStrategy
+    from lightning_moe.strategies.pipeline_step import pipeline_refusal
 
     if not isinstance(strategy, MoEStrategy):
         return []
@@ -105,6 +106,8 @@ def config_problems(model: Any, datamodule: Any, strategy: Any) -> list[str]:
     hparams = getattr(datamodule, "hparams", None) or {}
     batch = hparams.get("batch_size")
     pipeline = getattr(strategy, "_pipeline", None)
+    if pipeline is not None and subcommand in ("test", "predict"):
+        problems.append(f"pipeline_parallel_size={sizes['pp']} does not support {pipeline_refusal(subcommand)}.")
     if pipeline is not None and isinstance(batch, int) and batch % pipeline.num_microbatches:
         problems.append(
             f"data.batch_size={batch} does not split into num_microbatches={pipeline.num_microbatches} equal "
@@ -132,9 +135,9 @@ def config_problems(model: Any, datamodule: Any, strategy: Any) -> list[str]:
     return problems
 
 
-def check_config_before_launch(model: Any, datamodule: Any, strategy: Any) -> None:
+def check_config_before_launch(model: Any, datamodule: Any, strategy: Any, subcommand: str | None = None) -> None:
     """Raise :class:`ConfigError` listing every problem of :func:`config_problems`, if any."""
-    _raise(config_problems(model, datamodule, strategy))
+    _raise(config_problems(model, datamodule, strategy, subcommand))
 
 
 def check_init_from_before_launch(init_from: str, overrides: dict[str, Any] | None) -> None:

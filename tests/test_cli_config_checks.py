@@ -58,6 +58,15 @@ def test_batch_size_must_split_into_the_pipeline_micro_batches(model, corpus):
     assert "data.batch_size=8 does not split into num_microbatches=3 equal micro-batches" in problem
 
 
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+def test_test_and_predict_are_refused_under_pipeline_parallelism(model, corpus, subcommand):
+    strategy = MoEStrategy(pipeline_parallel_size=2, num_microbatches=2)
+    assert config_problems(model, _data(corpus), strategy, "fit") == []
+    (problem,) = config_problems(model, _data(corpus), strategy, subcommand)
+    assert problem.startswith(f"pipeline_parallel_size=2 does not support Trainer.{subcommand} (only fit and validate")
+    assert f"run {subcommand} with pipeline_parallel_size=1" in problem
+
+
 def _accepted(seq: int, cp: int, tp: int) -> bool:
     """What the parallel code accepts: CP's 2 x CP chunks, then TP equal slices of each rank's tokens."""
     if cp > 1:
