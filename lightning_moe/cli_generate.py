@@ -71,19 +71,19 @@ def generate_parser() -> ArgumentParser:
     )
     parser.add_argument("checkpoint", metavar="CKPT", type=str, help="The checkpoint directory or file.")
     parser.add_argument("--prompt", type=str, required=True, help="The text to continue.")
-    parser.add_argument("--max_new_tokens", type=int, default=64, help="Tokens to generate at most (default 64).")
+    parser.add_argument("--max_new_tokens", type=int, default=64, help="Tokens to generate at most.")
     parser.add_argument(
         "--temperature", type=float, default=0.0,
-        help="0 = greedy (the most likely token each time; the default); > 0 samples from softmax(logits / T).",
+        help="0 = greedy (the most likely token each time); > 0 samples from softmax(logits / T).",
     )
-    parser.add_argument("--top_k", type=int, default=None, help="Sample among the k most likely tokens only (default: all).")
+    parser.add_argument("--top_k", type=int, default=None, help="Sample among the k most likely tokens only (null: all).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the sampling generator: the same seed, the same text.")
     parser.add_argument(
         "--tokenizer", type=str, default=None,
         help="A tokenizer.json (or the directory holding it) to use instead of the run's; 'byte' = the byte tokenizer.",
     )
     parser.add_argument("--ignore_eos", action="store_true", help="Do not stop at the end-of-document token.")
-    parser.add_argument("--device", type=str, default="cpu", help="Where the model runs (default cpu; e.g. cuda).")
+    parser.add_argument("--device", type=str, default="cpu", help="Where the model runs (cpu, cuda, ...).")
     parser.add_argument(
         "--no-verify", dest="no_verify", action="store_true",
         help="Skip the SHA-256 check of every shard (completeness and sizes are still checked).",

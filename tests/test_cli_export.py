@@ -386,11 +386,11 @@ def test_cli_export_usage_errors_exit_2(capsys):
 
 
 @pytest.mark.slow
-def test_console_script_help_lists_export(tmp_path):
+def test_console_script_help_lists_export_and_generate(tmp_path):
     top = subprocess.run([console_script(), "--help"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=SUBPROCESS_TIMEOUT_S)
     assert top.returncode == 0, top.stderr
-    assert "export" in top.stdout and "fit" in top.stdout
+    assert "export" in top.stdout and "fit" in top.stdout and "generate" in top.stdout
     sub = subprocess.run([console_script(), "export", "--help"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=SUBPROCESS_TIMEOUT_S)
     assert sub.returncode == 0, sub.stderr
