@@ -1,8 +1,9 @@
-"""``Trainer.test`` and ``Trainer.predict`` of `MoELanguageModel` with `TextDataModule`, one CPU process.
+"""``Trainer.test`` and ``Trainer.predict`` of `MoELanguageModel` with `TextDataModule`.
 
 Oracles: the model applied by hand to every batch of the data module's held-out (validation)
 loader: ``F.cross_entropy`` over all their targets for ``test_loss`` (``exp`` of it for
-``test_ppl``), ``log_softmax`` of the logits for each predicted batch.
+``test_ppl``), ``log_softmax`` of the logits for each predicted batch. At EP=2 on 2 gloo ranks
+(each its half of the batches), ``test_loss`` is the single-process loss over all of them.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.dist import run_distributed
+from torch.utils.data import DataLoader
 
 from lightning_moe import MoEConfig
 from lightning_moe.lit import MoELanguageModel, TextDataModule
 from lightning_moe.models import MoETransformerConfig
+from lightning_moe.strategies import MoEStrategy
 
 SEQ = 16
 
@@ -87,3 +91,26 @@ def test_test_without_held_out_documents_says_to_set_val_fraction(corpus):
     data.setup("test")
     with pytest.raises(ValueError, match=r"test data are the held-out \(validation\) documents.*val_fraction > 0"):
         data.test_dataloader()
+
+
+def _test_ep2(rank: int, world: int, batches: list) -> float:
+    module = _module()  # the same seeds, so the same weights as the single-process oracle
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=MoEStrategy(expert_parallel_size=2), logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    (metrics,) = trainer.test(module, dataloaders=DataLoader(batches, batch_size=None), verbose=False)
+    return metrics["test_loss"]
+
+
+@pytest.mark.distributed
+def test_test_loss_at_ep2_equals_the_single_process_loss(tmp_path):
+    gen = torch.Generator().manual_seed(5)
+    batches = [tuple(torch.randint(0, 320, (2, 2, SEQ), generator=gen)) for _ in range(4)]  # 2 per rank
+    module = _module()
+    with torch.no_grad():
+        logits = torch.cat([module(inputs) for inputs, _ in batches])
+    expected = F.cross_entropy(logits.flatten(0, 1), torch.cat([t for _, t in batches]).flatten())
+    losses = run_distributed(_test_ep2, 2, batches, timeout_s=120, tmp_dir=tmp_path)
+    for loss in losses:
+        torch.testing.assert_close(torch.tensor(loss), expected)
