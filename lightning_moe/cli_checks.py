@@ -19,6 +19,7 @@ import dataclasses
 import math
 from typing import Any
 
+from lightning_moe.data.token_check import vocab_problem
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.parallel.config_error import ConfigError
@@ -93,7 +94,8 @@ def config_problems(model: Any, datamodule: Any, strategy: Any, subcommand: str 
     """Every mistake visible in the built ``model``, ``datamodule`` and ``strategy`` (a ``MoEStrategy``;
     anything else is not checked) for ``subcommand`` (``fit``, ``test`` ...): ``test`` and
     ``predict`` under PP; the data module's ``batch_size`` against ``num_microbatches`` under PP; with :class:`~lightning_moe.lit.TextDataModule`, its ``seq_len`` against CP and TP
-    (:func:`sequence_multiple`) and the model's ``max_seq_len``, and its ``val_fraction`` against the
+    (:func:`sequence_multiple`) and the model's ``max_seq_len``, its tokenizer's ``vocab_size``
+    against the model's, and its ``val_fraction`` against the
     corpus' documents (the data module's own split, :func:`~lightning_moe.data.text.split_documents`)."""
     from lightning_moe.lit import TextDataModule
     from lightning_moe.strategies import MoEStrategy
@@ -125,6 +127,9 @@ def config_problems(model: Any, datamodule: Any, strategy: Any, subcommand: str 
                 f"e.g. {max(multiple, seq // multiple * multiple)}."
             )
         config = getattr(model, "config", None)
+        vocab = getattr(config, "vocab_size", None)
+        if isinstance(vocab, int) and datamodule.vocab_size > vocab:
+            problems.append(vocab_problem(datamodule.vocab_size, vocab))
         max_seq_len = getattr(config, "max_seq_len", None)
         if isinstance(max_seq_len, int) and seq > max_seq_len:
             problems.append(

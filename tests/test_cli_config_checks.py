@@ -110,6 +110,18 @@ def test_val_fraction_is_checked_with_the_data_modules_own_split(model, tmp_path
         assert problem.startswith(f"data.source={str(tmp_path)!r}, data.val_fraction=0.5: ") and expected in problem
 
 
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_a_problem(corpus):
+    small = MoELanguageModel(MoETransformerConfig(
+        vocab_size=256, hidden_size=32, num_layers=1, num_attention_heads=4, ffn_hidden_size=64, max_seq_len=64,
+    ))
+    data = _data(corpus)  # the byte tokenizer: 259 ids
+    (problem,) = config_problems(small, data, MoEStrategy())
+    assert problem == (
+        f"The tokenizer emits {data.vocab_size} token ids but model.vocab_size=256; set model.vocab_size >= "
+        f"{data.vocab_size} (a multiple of 64 keeps tensor parallelism happy)."
+    )
+
+
 def test_a_missing_source_is_a_problem(model, tmp_path):
     (problem,) = config_problems(model, _data(tmp_path / "missing"), MoEStrategy())
     assert "does not exist" in problem

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
-__all__ = ["TokenIdError", "check_batch_token_ids", "check_token_ids"]
+__all__ = ["TokenIdError", "check_batch_token_ids", "check_token_ids", "vocab_problem"]
+
+
+def vocab_problem(data_vocab: int, model_vocab: int) -> str:
+    """The data's tokenizer emits more ids than the model's vocabulary holds: what to change."""
+    return (
+        f"The tokenizer emits {data_vocab} token ids but model.vocab_size={model_vocab}; set model.vocab_size >= "
+        f"{data_vocab} (a multiple of 64 keeps tensor parallelism happy)."
+    )
 
 
 class TokenIdError(ValueError):

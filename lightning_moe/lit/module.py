@@ -24,10 +24,11 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.text import Perplexity
 
-from lightning_moe.data.token_check import check_token_ids
+from lightning_moe.data.token_check import check_token_ids, vocab_problem
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss, next_token_loss_sum
 from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
+from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean
 
 __all__ = ["MoELanguageModel", "TokenMeanLoss", "TokenPerplexity", "check_batch", "optimizer_param_groups"]
@@ -283,10 +284,7 @@ class MoELanguageModel(L.LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None)  # None outside a Trainer
         data_vocab = getattr(datamodule, "vocab_size", None)
         if data_vocab is not None and data_vocab > self.config.vocab_size:
-            raise ValueError(
-                f"The tokenizer emits {data_vocab} token ids but model.vocab_size={self.config.vocab_size}; "
-                f"set model.vocab_size >= {data_vocab} (a multiple of 64 keeps tensor parallelism happy)."
-            )
+            raise ConfigError(vocab_problem(data_vocab, self.config.vocab_size))
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of ``tokens`` ``[B, S]``."""
