@@ -7,6 +7,8 @@
     lightning-moe fit --model.help MoELanguageModel --model.model.moe.help   # its MoE layers' options
     lightning-moe export CKPT OUT                              # a checkpoint's weights as one file
     lightning-moe export CKPT OUT_DIR --format hf              # ... as a Hugging Face model directory
+    lightning-moe generate CKPT --prompt "def main("           # continue a prompt (greedy; --temperature samples)
+    lightning-moe test --config ... --ckpt_path CKPT           # test_loss / test_ppl on the held-out documents
     lightning-moe fit --config examples/configs/hf_finetune_tiny.yaml   # fine-tune a Hugging Face model
 
 A LightningCLI whose ``model:`` and ``data:`` are any LightningModule and LightningDataModule,
@@ -19,7 +21,12 @@ reference model (``data: null`` uses the LightningModule's own dataloaders). The
 Before ``fit`` (or validate/test/predict) starts any process, the CLI checks the model against
 the strategy's layout (:func:`~lightning_moe.parallel.layout_check.check_model_layout` on a
 meta-device copy): num_experts vs EP, heads and widths vs TP, TP with a model that has no
-tensor-parallel plan. A problem is reported once, by the launching process.
+tensor-parallel plan; and the configuration (:mod:`lightning_moe.cli_checks`): ``init_from``'s
+family and ``model_overrides``' keys (before the model is built), the batch size against
+``num_microbatches`` under PP, ``seq_len`` against CP and TP and ``max_seq_len``, ``val_fraction``
+against the corpus' documents. A problem is reported once, by the launching process, in one
+message without a traceback (exit status 2); such an error found after the launch (a
+:class:`~lightning_moe.parallel.config_error.ConfigError`) is printed by rank zero only.
 
 ``--ckpt_path last`` looks in the checkpoint folder of *this* run's logger version
 (``<save_dir>/<name>/version_N/checkpoints`` unless ``ModelCheckpoint(dirpath=...)`` is set), so
@@ -31,25 +38,31 @@ of a checkpoint of any layout, sharded or consolidated, as one ``torch.save`` fi
 ``export --format hf`` writes the reference model of such a checkpoint as a Hugging Face directory
 (``config.json`` + safetensors) that ``transformers`` loads
 (:mod:`lightning_moe.parallel.checkpoint_export_hf`). ``model: {init_from: DIR}`` starts training
-from a Hugging Face directory (:class:`~lightning_moe.lit.MoELanguageModel`).
+from a Hugging Face directory (:class:`~lightning_moe.lit.MoELanguageModel`). ``generate``
+(:mod:`lightning_moe.cli_generate`) continues a prompt with such a checkpoint in one process, with
+the run's tokenizer.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
 import lightning as L
 from jsonargparse import ArgumentParser, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_moe.strategies  # noqa: F401  (registers strategy="moe")
+from lightning_moe.cli_checks import check_config_before_launch, check_init_from_before_launch
+from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
 from lightning_moe.parallel.checkpoint_export_hf import export_hf
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
 from lightning_moe.parallel.checkpoint_security import UnsafeCheckpointError
-from lightning_moe.parallel.layout_check import LayoutError, check_model_layout, meta_copy
+from lightning_moe.parallel.config_error import ConfigError
+from lightning_moe.parallel.layout_check import check_model_layout, meta_copy
 from lightning_moe.strategies import MoEStrategy
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "MoECLI", "check_layout_before_launch", "cli_main", "export_main", "main"]
@@ -161,19 +174,55 @@ class MoECLI(LightningCLI):
         subcommands = getattr(parser, "_subcommands_action", None)
         if subcommands is not None:
             subcommands.add_subcommand("export", export_parser(), help=EXPORT_HELP)
+            subcommands.add_subcommand("generate", generate_parser(), help=GENERATE_HELP)
+
+    def before_instantiate_classes(self) -> None:
+        """Check ``init_from`` and ``model_overrides`` of the reference model before it is built."""
+        config = self.config.get(self.subcommand) if self.subcommand is not None else self.config
+        model = config.get("model") if config is not None else None
+        init_args = model.get("init_args") if model is not None and hasattr(model, "get") else None
+        init_from = init_args.get("init_from") if init_args is not None else None
+        if init_from is not None and _is_reference_model(model.get("class_path")):
+            overrides = init_args.get("model_overrides")
+            check_init_from_before_launch(str(init_from), _plain(overrides))
 
     def after_instantiate_classes(self) -> None:
-        """Check the model against the layout before the subcommand launches any process."""
+        """Check the model against the layout, and the data against both, before the subcommand
+        launches any process (:mod:`lightning_moe.cli_checks`)."""
         if self.subcommand is not None:
             check_layout_before_launch(self.model, self.trainer.strategy)
+            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, self.subcommand)
 
 
-def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint:
+def _is_reference_model(class_path: Any) -> bool:
+    from lightning_moe.lit import MoELanguageModel
+
+    if not isinstance(class_path, str):
+        return False
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return False  # jsonargparse reports it
+    return isinstance(cls, type) and issubclass(cls, MoELanguageModel)
+
+
+def _plain(value: Any) -> Any:
+    """A jsonargparse Namespace (and its nesting) as plain dicts."""
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    return value
+
+
+def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint | Generated:
     """Run the CLI on ``args`` (default: the command line) and return it (for tests and notebooks);
-    ``export ...`` returns what :func:`export_main` exported."""
+    ``export ...`` returns what :func:`export_main` exported, ``generate ...`` what
+    :func:`~lightning_moe.cli_generate.generate_main` generated."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
+    if argv[:1] == ["generate"]:
+        return generate_main(argv[1:])
     # Field docstrings of the config dataclasses become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     return MoECLI(
@@ -185,11 +234,18 @@ def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint:
 
 
 def main() -> None:
-    """Entry point of the ``lightning-moe`` console script."""
+    """Entry point of the ``lightning-moe`` console script.
+
+    A :class:`~lightning_moe.parallel.config_error.ConfigError` (layout errors included) is a
+    configuration mistake, the same on every rank: it is printed once, by rank zero, without a
+    traceback (the launching process, before any rank starts, for the CLI's own checks), and every
+    rank exits with status 2.
+    """
     try:
         cli_main()
-    except LayoutError as err:  # a configuration error: the message says what to change
-        print(f"{_PROG}: error: {err}", file=sys.stderr)
+    except ConfigError as err:  # the message says what to change
+        if rank_zero_only.rank == 0:
+            print(f"{_PROG}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
 
 

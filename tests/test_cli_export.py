@@ -135,6 +135,28 @@ def test_export_loads_strictly_into_the_single_device_model_with_equal_outputs(t
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_generate_from_a_sharded_checkpoint_equals_an_argmax_loop_over_the_exported_model(trained, tmp_path, capsys):
+    # lightning-moe generate reads the sharded checkpoint of either layout by itself; the oracle is the
+    # single-device model loaded from the export (equal to the trained ranks' model, test above).
+    from lightning_moe.data import ByteTokenizer
+
+    export_checkpoint(trained["checkpoint"], tmp_path / "weights.pt")
+    model = reference_model()
+    model.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True), strict=True)
+    prompt = ByteTokenizer().encode("def main(")
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(4):  # the hand-rolled argmax loop
+            ids.append(int(model.eval()(torch.tensor([ids]))[0, -1].argmax()))
+    expected = ids[len(prompt):]
+    generated = cli_main(["generate", str(trained["checkpoint"]), "--prompt", "def main(", "--max_new_tokens", "4",
+                          "--ignore_eos"])
+    assert generated.new_ids == expected
+    assert capsys.readouterr().out.endswith(generated.text + "\n")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_export_format_hf_loads_in_transformers_with_equal_logits(trained, tmp_path):
     transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
     out = tmp_path / "hf"
@@ -364,11 +386,11 @@ def test_cli_export_usage_errors_exit_2(capsys):
 
 
 @pytest.mark.slow
-def test_console_script_help_lists_export(tmp_path):
+def test_console_script_help_lists_export_and_generate(tmp_path):
     top = subprocess.run([console_script(), "--help"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=SUBPROCESS_TIMEOUT_S)
     assert top.returncode == 0, top.stderr
-    assert "export" in top.stdout and "fit" in top.stdout
+    assert "export" in top.stdout and "fit" in top.stdout and "generate" in top.stdout
     sub = subprocess.run([console_script(), "export", "--help"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=SUBPROCESS_TIMEOUT_S)
     assert sub.returncode == 0, sub.stderr

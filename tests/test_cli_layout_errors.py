@@ -8,7 +8,10 @@ whole output, no rank may have initialised a process group (Lightning logs
 ``Initializing distributed`` for each), and nothing may be written (no logs, no checkpoints).
 
 Cases: num_experts not divisible by EP; num_kv_heads not divisible by TP (reference model);
-TP=2 with a user model that has no tensor-parallel plan (``tests/helpers/user_model.py``).
+TP=2 with a user model that has no tensor-parallel plan (``tests/helpers/user_model.py``); a batch
+that does not split into the pipeline's micro-batches (a configuration check of
+:mod:`lightning_moe.cli_checks`, whose other checks are tested in-process in
+``test_cli_config_checks.py``).
 
 In-process unit tests of :mod:`lightning_moe.parallel.layout_check` follow: the check accepts the
 layouts the suite trains with, reports each problem, and its meta-device copy leaves the model and
@@ -53,6 +56,12 @@ CASES = {
     "kv-heads-vs-tp": (
         [*TWO_RANKS, "--trainer.strategy.init_args.expert_parallel_size=2", "--model.model.num_kv_heads=1"],
         "Tensor parallel size 2 must divide num_kv_heads=1",
+    ),
+    "batch-vs-microbatches": (
+        [*TWO_RANKS, "--trainer.strategy.init_args.tensor_parallel_size=1",
+         "--trainer.strategy.init_args.expert_parallel_size=1", "--trainer.strategy.init_args.pipeline_parallel_size=2",
+         "--trainer.strategy.init_args.num_microbatches=3"],
+        "data.batch_size=8 does not split into num_microbatches=3 equal micro-batches",
     ),
 }
 

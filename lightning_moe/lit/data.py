@@ -31,6 +31,7 @@ from lightning_moe.data import (
     split_corpus,
 )
 from lightning_moe.data.loading import ResumableLoader, ResumableSampler, eval_loader
+from lightning_moe.data.token_check import check_batch_token_ids
 from lightning_moe.data.token_files import read_token_meta
 from lightning_moe.lit.module import IGNORE_INDEX
 
@@ -57,6 +58,14 @@ class TextDataModule(L.LightningDataModule):
 
     A ``source`` written by :func:`~lightning_moe.data.pretokenize` is read as memory-mapped token
     files, without tokenizing; its vocabulary size is the one recorded there.
+
+    ``test_dataloader`` and ``predict_dataloader`` give the validation split (the held-out
+    documents; there is no third split), so ``Trainer.test`` reports the validation metrics of the
+    weights it is given as ``test_loss`` and ``test_ppl``.
+
+    Every batch is checked on the host, before it moves to the device, for ids outside
+    ``[0, vocab_size)`` (:meth:`on_before_batch_transfer`): a corpus pre-tokenized with another
+    tokenizer fails with the offending id instead of training on it.
     """
 
     def __init__(
@@ -137,4 +146,33 @@ class TextDataModule(L.LightningDataModule):
         replicas, rank = self._data_parallel()
         return eval_loader(
             self.val_set, self.hparams.batch_size, replicas, rank, IGNORE_INDEX, num_workers=self.hparams.num_workers
+        )
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Refuse a batch with a token id outside ``[0, vocab_size)`` (on the host: these are CPU
+        tensors, so no device synchronisation), naming it and its position."""
+        stage = self.trainer.state.stage if self.trainer is not None else None  # "train", "validate", ...
+        check_batch_token_ids(batch, self.vocab_size, getattr(stage, "value", None) or "data")
+        return batch
+
+    def _held_out(self, stage: str) -> None:
+        # No third split: the held-out documents are the only text the model did not train on.
+        if self.val_set is None:
+            raise ValueError(
+                f"TextDataModule's {stage} data are the held-out (validation) documents, but val_fraction=0 holds "
+                "none out; set data.val_fraction > 0 (e.g. 0.05)."
+            )
+
+    def test_dataloader(self) -> DataLoader:
+        """The validation samples (``Trainer.test`` reports ``test_loss``/``test_ppl`` on the held-out documents)."""
+        self._held_out("test")
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """Every validation sample (the last batch may be smaller), as ``(inputs, targets)`` batches
+        (``Trainer.predict`` uses the inputs)."""
+        self._held_out("predict")
+        return DataLoader(
+            self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=False,
+            num_workers=self.hparams.num_workers,
         )

@@ -4,8 +4,10 @@ Written for one device like any LightningModule; ``Trainer(strategy=MoEStrategy(
 parallel. It logs what people look at while training a language model: ``train_loss`` (progress
 bar), ``val_loss`` and ``val_ppl`` (per target token, torchmetrics metrics; the same values under
 pipeline parallelism), the learning rate and ``tokens_per_sec`` (global tokens consumed per second
-of wall time). A micro-batch whose targets are all ``IGNORE_INDEX`` has loss 0 (no NaN, no
-gradient); an empty batch is refused.
+of wall time). ``Trainer.test`` logs the validation metrics as ``test_loss`` and ``test_ppl``;
+``Trainer.predict`` returns next-token log-probabilities (:meth:`MoELanguageModel.predict_step`).
+A micro-batch whose targets are all ``IGNORE_INDEX`` has loss 0 (no NaN, no gradient); an empty
+batch is refused.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.text import Perplexity
 
+from lightning_moe.data.token_check import check_token_ids, vocab_problem
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss, next_token_loss_sum
 from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
+from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean
 
 __all__ = ["MoELanguageModel", "TokenMeanLoss", "TokenPerplexity", "check_batch", "optimizer_param_groups"]
@@ -171,6 +175,9 @@ class MoELanguageModel(L.LightningModule):
         model_overrides: with ``init_from``, fields of the configuration read from ``config.json``
             to replace (training settings such as ``max_seq_len``; ``moe`` takes a mapping of
             :class:`~lightning_moe.MoEConfig` fields, e.g. ``{"aux_loss_coeff": 0.01}``).
+        check_every_batch: check the token ids of every batch against ``vocab_size`` (a debugging
+            switch: one host read per step). By default only the first batch of each stage (fit,
+            validate, test, predict) is checked, so training pays no per-step host read.
 
     With ``init_from`` under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is
     built on the meta device, parallelised and materialised by the strategy, and each rank then
@@ -190,6 +197,7 @@ class MoELanguageModel(L.LightningModule):
         min_lr_ratio: float = 0.1,
         init_from: str | None = None,
         model_overrides: dict[str, Any] | None = None,
+        check_every_batch: bool = False,
     ) -> None:
         super().__init__()
         self.config, family, extra = _resolve_config(model, init_from, model_overrides)
@@ -199,7 +207,7 @@ class MoELanguageModel(L.LightningModule):
             "model": None if model is None else asdict(model), "learning_rate": learning_rate,
             "weight_decay": weight_decay, "betas": list(betas), "warmup_steps": warmup_steps,
             "min_lr_ratio": min_lr_ratio, "init_from": None if init_from is None else str(init_from),
-            "model_overrides": model_overrides,
+            "model_overrides": model_overrides, "check_every_batch": check_every_batch,
         })
         self.init_from = init_from
         # Whether init_from's weights still have to be read (a restored checkpoint clears it).
@@ -208,7 +216,12 @@ class MoELanguageModel(L.LightningModule):
         self.val_loss = TokenMeanLoss()
         self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
+        self.test_loss = TokenMeanLoss()
+        self.test_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self._step_started: float | None = None
+        # The stages (training, validation, ...) whose first batch's token ids were checked.
+        self._checked_stages: set[str] = set()
+        self.check_every_batch = check_every_batch
 
     def configure_model(self) -> None:
         """Build the transformer (once; on the meta device under ``Trainer.init_module(empty_init=True)``,
@@ -266,14 +279,12 @@ class MoELanguageModel(L.LightningModule):
         self._load_pending_weights()
 
     def setup(self, stage: str) -> None:
-        """Check that the data's vocabulary fits the model's."""
-        datamodule = getattr(self.trainer, "datamodule", None)
+        """Check that the data's vocabulary fits the model's (and check each loop's first batch again)."""
+        self._checked_stages.clear()
+        datamodule = getattr(self._trainer, "datamodule", None)  # None outside a Trainer
         data_vocab = getattr(datamodule, "vocab_size", None)
         if data_vocab is not None and data_vocab > self.config.vocab_size:
-            raise ValueError(
-                f"The tokenizer emits {data_vocab} token ids but model.vocab_size={self.config.vocab_size}; "
-                f"set model.vocab_size >= {data_vocab} (a multiple of 64 keeps tensor parallelism happy)."
-            )
+            raise ConfigError(vocab_problem(data_vocab, self.config.vocab_size))
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of ``tokens`` ``[B, S]``."""
@@ -342,7 +353,71 @@ class MoELanguageModel(L.LightningModule):
         self.val_perplexity(logits.float(), targets)
         self.log("val_ppl", self.val_perplexity)
 
+    def check_token_ids(self, batch: Any, stage: str, batch_idx: int) -> None:
+        """Refuse a batch holding a token id outside ``[0, vocab_size)``, naming it, its position and the fix.
+
+        Without this, an id past the vocabulary trains silently under tensor parallelism (the
+        vocabulary-parallel embedding gives it a zero row) and fails with torch's bare ``index out
+        of range`` otherwise. Runs on the first batch of each stage, or on every batch with
+        ``check_every_batch`` (each check is one host read). ``batch`` is ``(inputs, targets)`` or
+        the inputs alone; targets equal to ``IGNORE_INDEX`` are allowed.
+        """
+        if stage in self._checked_stages and not self.check_every_batch:
+            return
+        self._checked_stages.add(stage)
+        if isinstance(batch, (tuple, list)):
+            inputs, targets = batch[0], (batch[1] if len(batch) > 1 else None)
+        else:
+            inputs, targets = batch, None
+        vocab = self.config.vocab_size
+        if isinstance(inputs, Tensor):
+            check_token_ids(inputs, vocab, f"{stage} batch {batch_idx} inputs")
+        if isinstance(targets, Tensor):
+            check_token_ids(targets, vocab, f"{stage} batch {batch_idx} targets", ignore_index=IGNORE_INDEX)
+
+    def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``)."""
+        self.check_token_ids(batch, "validation", batch_idx)
+
+    def on_test_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``)."""
+        self.check_token_ids(batch, "test", batch_idx)
+
+    def on_predict_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``)."""
+        self.check_token_ids(batch, "predict", batch_idx)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        """``test_loss`` and ``test_ppl``: :meth:`validation_step`'s metrics on the test data (with
+        :class:`~lightning_moe.lit.TextDataModule`, its held-out documents)."""
+        inputs, targets = batch
+        check_batch(inputs, targets, "test", batch_idx)
+        logits = self(inputs)
+        self.test_loss(self._loss(logits, targets), (targets != IGNORE_INDEX).sum())
+        self.log("test_loss", self.test_loss)
+        self.test_perplexity(logits.float(), targets)
+        self.log("test_ppl", self.test_perplexity)
+
+    def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        """Next-token log-probabilities ``[B, S, V]`` (fp32) of the inputs ``[B, S]``: entry ``[b, s, v]``
+        is ``log p(token s + 1 = v | tokens 0..s of sample b)``, so ``exp`` sums to 1 over ``v``.
+
+        ``batch`` is the inputs or a tuple whose first entry they are (``(inputs, targets)``, as
+        :class:`~lightning_moe.lit.TextDataModule` gives; the targets are not used). The log-probability
+        of the actual next tokens is ``out.gather(-1, targets.unsqueeze(-1))``. ``Trainer.predict``
+        returns one such tensor per batch (``B * S * V * 4`` bytes each: mind large vocabularies).
+        """
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if inputs.dim() != 2 or inputs.numel() == 0:
+            raise ValueError(
+                f"predict batch {batch_idx}: inputs must be a non-empty [B, S] tensor of token ids, got shape "
+                f"{tuple(inputs.shape)}."
+            )
+        return torch.log_softmax(self(inputs).float(), dim=-1)
+
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """:meth:`check_token_ids` (the first batch, or every batch with ``check_every_batch``); starts the step timer."""
+        self.check_token_ids(batch, "training", batch_idx)
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
+from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.tensor_parallel import _check_divisible
 
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 
-class LayoutError(ValueError):
+class LayoutError(ConfigError):
     """The model cannot be sharded on the requested parallel layout (every reason in the message)."""
 
 

@@ -53,9 +53,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_moe.models import MoETransformer
+from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.pipeline import PipelineRunner, check_pipeline_options
 
-__all__ = ["PipelineDriver"]
+__all__ = ["PipelineDriver", "pipeline_refusal"]
 
 
 def _network(module: nn.Module) -> nn.Module:
@@ -67,6 +68,14 @@ def _network(module: nn.Module) -> nn.Module:
             "pipeline_parts() (it needs exactly one; see lightning_moe.parallel.pipeline_split)."
         )
     return found[0]
+
+
+def pipeline_refusal(fn: str) -> str:
+    """Why ``Trainer.<fn>`` (``test`` or ``predict``) cannot run under pipeline parallelism, and the way out."""
+    return (
+        f"Trainer.{fn} (only fit and validate run the schedules; the checkpoint loads at any layout: run {fn} with "
+        "pipeline_parallel_size=1, or `lightning-moe generate CKPT`)"
+    )
 
 
 class PipelineDriver:
@@ -132,8 +141,9 @@ class PipelineDriver:
     def _check(self, strategy: Any, trainer: Any) -> None:
         module = strategy.lightning_module
         problems = []
-        if trainer.state.fn in ("test", "predict"):
-            problems.append(f"Trainer.{trainer.state.fn} (only fit and validate run the schedules)")
+        fn = getattr(trainer.state.fn, "value", trainer.state.fn)  # "test", not "TrainerFn.TESTING"
+        if fn in ("test", "predict"):
+            problems.append(pipeline_refusal(fn))
         if not module.automatic_optimization:
             problems.append("manual optimization (the schedule runs forward and backward itself)")
         if trainer.accumulate_grad_batches != 1:
@@ -148,7 +158,7 @@ class PipelineDriver:
         if not callable(getattr(module, "pipeline_loss", None)):
             problems.append(f"{type(module).__name__} without pipeline_loss(outputs, targets)")
         if problems:
-            raise ValueError("pipeline_parallel_size > 1 does not support: " + "; ".join(problems) + ".")
+            raise ConfigError("pipeline_parallel_size > 1 does not support: " + "; ".join(problems) + ".")
 
     def training_step(self, strategy: Any, batch: Any, batch_idx: int) -> Tensor:
         """Zero the gradients, run the schedule on ``batch``, reduce once; returns (and logs) the loss."""

@@ -180,3 +180,21 @@ def test_context_parallel_needs_the_reference_transformer():
     check_context_parallel_support(MoELayer(MoEConfig(8, 16, 4, top_k=2)), 1)  # CP=1: any model
     with pytest.raises(ValueError, match=r"context_parallel_size=2 needs the reference lightning_moe.models.MoETransformer"):
         check_context_parallel_support(MoELayer(MoEConfig(8, 16, 4, top_k=2)), 2)
+
+
+@pytest.mark.parametrize("fn", ["test", "predict"])
+def test_pipeline_refuses_test_and_predict_naming_the_way_out(fn):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_moe.parallel.config_error import ConfigError
+    from lightning_moe.strategies.pipeline_step import PipelineDriver
+
+    module = SimpleNamespace(automatic_optimization=True, pipeline_loss=lambda logits, targets: logits)
+    strategy = SimpleNamespace(lightning_module=module, _grad_scaler=None, checkpointing=SimpleNamespace(sharded=True))
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn(fn)), accumulate_grad_batches=1)
+    driver = PipelineDriver("1F1B", 2, None, None)
+    with pytest.raises(ConfigError, match=rf"does not support: Trainer\.{fn} \(only fit and validate .*run {fn} with "
+                       r"pipeline_parallel_size=1, or `lightning-moe generate CKPT`\)"):
+        driver._check(strategy, trainer)
