@@ -205,9 +205,12 @@ class MoELanguageModel(L.LightningModule):
         # Whether init_from's weights still have to be read (a restored checkpoint clears it).
         self._init_pending = False
         self.model: MoETransformer | None = None
-        self.val_loss = TokenMeanLoss()
-        self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
-        self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
+        # The metric states get storage even under Trainer.init_module(empty_init=True): the strategy
+        # materialises only parameters and buffers it can re-draw, never a metric's running sums.
+        with torch.device("cpu"):
+            self.val_loss = TokenMeanLoss()
+            self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+            self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
         self._step_started: float | None = None
 
     def configure_model(self) -> None:
