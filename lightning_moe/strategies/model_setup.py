@@ -22,7 +22,9 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
+from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.expert_support import expert_parallel_support_problem
 from lightning_moe.parallel.fully_shard import (
     apply_fully_shard,
     check_fully_shard,
@@ -33,7 +35,8 @@ from lightning_moe.parallel.layout_check import tensor_parallel_support_problem
 from lightning_moe.parallel.parallelize import parallelize
 
 __all__ = [
-    "broadcast_initial_state", "check_context_parallel_support", "check_tensor_parallel_support", "materialize",
+    "broadcast_initial_state", "check_context_parallel_support", "check_expert_parallel_support",
+    "check_tensor_parallel_support", "materialize",
     "move_materialized", "prepare_model", "prepare_model_once", "shard_split_model",
 ]
 
@@ -63,6 +66,16 @@ def check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
     See :func:`~lightning_moe.parallel.layout_check.tensor_parallel_support_problem`.
     """
     problem = tensor_parallel_support_problem(model, tp)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def check_expert_parallel_support(model: nn.Module, dims: ParallelDims) -> None:
+    """Raise ``ValueError`` when the expert layout of ``dims`` would shard nothing of ``model``.
+
+    See :func:`~lightning_moe.parallel.expert_support.expert_parallel_support_problem`.
+    """
+    problem = expert_parallel_support_problem(model, dims)
     if problem is not None:
         raise ValueError(problem)
 
@@ -167,6 +180,7 @@ def prepare_model_once(
     """
     check_tensor_parallel_support(model, ctx.size("tp"))
     check_context_parallel_support(model, ctx.size("cp"))
+    check_expert_parallel_support(model, ctx.dims)
     layout = (ctx.dims, dispatcher, sharding_strategy)
     applied = getattr(model, _LAYOUT_ATTR, None)
     if applied == layout:
