@@ -193,7 +193,7 @@ class MoELanguageModel(L.LightningModule):
     ) -> None:
         super().__init__()
         self.config, family, extra = _resolve_config(model, init_from, model_overrides)
-        self._hf_record = model_record(self.config, family, extra)
+        self._hf_record = model_record(self.config, family, extra, init_from)
         # Plain containers only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({
             "model": None if model is None else asdict(model), "learning_rate": learning_rate,
