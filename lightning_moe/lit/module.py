@@ -184,7 +184,10 @@ class MoELanguageModel(L.LightningModule):
     reads only its own slices of the weights (:func:`~lightning_moe.parallel.hf_load.load_hf_weights`),
     so no rank ever holds the whole model. The weights are read when the first loop starts (fit,
     validate, test or predict), after Lightning restored a checkpoint: resuming with ``ckpt_path``
-    keeps the checkpoint's weights and reads nothing from ``init_from``.
+    keeps the checkpoint's weights and reads nothing from ``init_from``. Checkpoints record the
+    directory's ``config.json`` and which tokenizer files it holds: ``lightning-moe export --format
+    hf`` writes that ``config.json`` back (training overrides such as ``max_seq_len`` do not change
+    it) and copies the tokenizer and ``generation_config.json``.
     """
 
     def __init__(
@@ -201,7 +204,7 @@ class MoELanguageModel(L.LightningModule):
     ) -> None:
         super().__init__()
         self.config, family, extra = _resolve_config(model, init_from, model_overrides)
-        self._hf_record = model_record(self.config, family, extra)
+        self._hf_record = model_record(self.config, family, extra, init_from)
         # Plain containers only, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters({
             "model": None if model is None else asdict(model), "learning_rate": learning_rate,
@@ -213,11 +216,14 @@ class MoELanguageModel(L.LightningModule):
         # Whether init_from's weights still have to be read (a restored checkpoint clears it).
         self._init_pending = False
         self.model: MoETransformer | None = None
-        self.val_loss = TokenMeanLoss()
-        self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
-        self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
-        self.test_loss = TokenMeanLoss()
-        self.test_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+        # The metric states get storage even under Trainer.init_module(empty_init=True): the strategy
+        # materialises only parameters and buffers it can re-draw, never a metric's running sums.
+        with torch.device("cpu"):
+            self.val_loss = TokenMeanLoss()
+            self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+            self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
+            self.test_loss = TokenMeanLoss()
+            self.test_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self._step_started: float | None = None
         # The stages (training, validation, ...) whose first batch's token ids were checked.
         self._checked_stages: set[str] = set()

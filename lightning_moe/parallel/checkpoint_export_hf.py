@@ -8,8 +8,11 @@ safetensors files that ``transformers`` loads (:func:`lightning_moe.models.hf.sa
 layout: per-expert tensors, shards with an index past ``max_shard_size``).
 
 The model's configuration is the one ``MoELanguageModel`` records in each checkpoint under
-:data:`MODEL_CONFIG_KEY` (with the Hugging Face family and token ids of an ``init_from``
-directory), else its ``model`` hyperparameter. The family defaults to the recorded one, else the
+:data:`MODEL_CONFIG_KEY` (with the Hugging Face family, token ids and whole ``config.json`` of an
+``init_from`` directory), else its ``model`` hyperparameter. A model fine-tuned from ``init_from``
+is written with that directory's ``config.json``, unchanged except where the model changed
+(:func:`~lightning_moe.models.hf.source.exported_config`), and with its tokenizer and
+``generation_config.json`` files, copied from the directory (a warning names those gone). The family defaults to the recorded one, else the
 only family the configuration can be (:func:`~lightning_moe.models.hf.infer_family`); what the
 family cannot hold is refused before anything is written. The directory is written under a hidden
 sibling name and renamed into place once complete. One process; the whole model in memory once.
@@ -22,13 +25,15 @@ import dataclasses
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.models.config import MoETransformerConfig
-from lightning_moe.models.hf.config_export import config_to_hf, infer_family
-from lightning_moe.models.hf.io import write_config, write_safetensors
+from lightning_moe.models.hf.config_export import infer_family
+from lightning_moe.models.hf.io import read_config, write_config, write_safetensors
+from lightning_moe.models.hf.source import copy_source_files, exported_config, source_files_in
 from lightning_moe.models.hf.weights import hf_tensors
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, read_checkpoint
 from lightning_moe.parallel.checkpoint_files import partial_path
@@ -49,18 +54,32 @@ def config_from_dict(fields: dict[str, Any]) -> MoETransformerConfig:
     return MoETransformerConfig(**fields)
 
 
-def model_record(config: MoETransformerConfig, family: str | None, extra: dict[str, Any] | None) -> dict[str, Any]:
-    """What ``MoELanguageModel`` stores under :data:`MODEL_CONFIG_KEY` (plain containers only)."""
-    return {"config": dataclasses.asdict(config), "hf_family": family, "hf_extra_config": dict(extra or {})}
+def model_record(
+    config: MoETransformerConfig, family: str | None, extra: dict[str, Any] | None,
+    source_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """What ``MoELanguageModel`` stores under :data:`MODEL_CONFIG_KEY` (plain containers only).
+
+    With ``source_dir`` (the ``init_from`` directory) also its whole ``config.json``
+    (``hf_source_config``), its absolute path (``hf_source_dir``) and which of
+    :data:`~lightning_moe.models.hf.source.SOURCE_FILES` it holds (``hf_source_files``), so the
+    export writes the source's ``config.json`` and copies its tokenizer.
+    """
+    record = {"config": dataclasses.asdict(config), "hf_family": family, "hf_extra_config": dict(extra or {})}
+    if source_dir is not None:
+        record.update(hf_source_config=read_config(source_dir), hf_source_dir=str(Path(source_dir).resolve()),
+                      hf_source_files=source_files_in(source_dir))
+    return record
 
 
-def _description(extras: dict[str, Any], source: Path) -> tuple[MoETransformerConfig, str | None, dict]:
+def _record(extras: dict[str, Any], source: Path) -> tuple[MoETransformerConfig, dict[str, Any]]:
+    """``(config, record)``: the recorded configuration and the rest of the record (empty for a bare ``model`` hyperparameter)."""
     record = extras.get(MODEL_CONFIG_KEY)
     if isinstance(record, dict) and isinstance(record.get("config"), dict):
-        return config_from_dict(record["config"]), record.get("hf_family"), record.get("hf_extra_config") or {}
+        return config_from_dict(record["config"]), record
     hparams = extras.get("hyper_parameters") or {}
     if isinstance(hparams.get("model"), dict):
-        return config_from_dict(hparams["model"]), None, {}
+        return config_from_dict(hparams["model"]), {}
     raise ValueError(
         f"{source} records no MoETransformer configuration (no {MODEL_CONFIG_KEY!r} entry, no 'model' "
         "hyperparameter): --format hf exports checkpoints of lightning_moe.lit.MoELanguageModel; use "
@@ -88,6 +107,22 @@ def _replace_directory(partial: Path, output: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _copy_source_files(record: dict[str, Any], target: Path) -> None:
+    """Copy the tokenizer and generation files the ``init_from`` directory held into ``target``; warn,
+    naming them, about those that are gone (the directory moved or was deleted since training)."""
+    names, directory = record.get("hf_source_files") or [], record.get("hf_source_dir")
+    if not names or directory is None:
+        return
+    missing = copy_source_files(directory, list(names), target)
+    if missing:
+        warnings.warn(
+            f"The export holds no {', '.join(missing)}: the init_from directory {directory} held them when training "
+            "started but they are not there now. Copy them into the export from the original model, or "
+            "AutoTokenizer.from_pretrained(export) will not find the model's tokenizer.",
+            UserWarning, stacklevel=3,
+        )
+
+
 def export_hf(
     checkpoint: str | os.PathLike,
     output: str | os.PathLike,
@@ -113,18 +148,22 @@ def export_hf(
     source, target = Path(checkpoint), Path(output)
     _check_output(target, source, overwrite)
     state, kind, layout, verified, extras = read_checkpoint(source, verify=verify)
-    config, recorded_family, extra = _description(extras, source)
-    family = family or recorded_family or infer_family(config)
+    config, record = _record(extras, source)
+    family = family or record.get("hf_family") or infer_family(config)
     model_state = {key[len(_PREFIX):]: value for key, value in state.items() if key.startswith(_PREFIX)}
     if not model_state:
         raise ValueError(f"{source} holds no 'model.*' weights: it is not a MoELanguageModel checkpoint.")
-    hf_config = config_to_hf(config, family, model_state["embed.weight"].dtype, extra)  # refuses before writing
+    hf_config = exported_config(  # refuses before writing
+        config, family, model_state["embed.weight"].dtype, record.get("hf_extra_config") or {},
+        record.get("hf_source_config"),
+    )
     tensors = hf_tensors(model_state, config, family)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = partial_path(target, uuid.uuid4().hex)
     try:
         write_safetensors(tensors, partial, max_shard_size)
         write_config(hf_config, partial)
+        _copy_source_files(record, partial)
         _check_output(target, source, overwrite)  # it may have appeared while the checkpoint was read
         _replace_directory(partial, target)
     except BaseException:

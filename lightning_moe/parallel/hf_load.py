@@ -18,7 +18,10 @@ only the local experts' per-expert tensors (or the slice of ``transformers`` 5's
 shared expert's fc1 its gate and up rows. The block is copied into the local tensor in place (the
 optimizer's references stay valid), cast to the parameter's dtype. Every parameter and buffer must
 be filled and every tensor of the directory used (DeepSeek's multi-token-prediction layers are
-skipped with a warning); the errors name the tensor. No communication: ranks read independently.
+skipped with a warning); the errors name the tensor. A model trimmed to its pipeline stages
+(:func:`~lightning_moe.parallel.pipeline_split.trim_to_stages`) reads only its stages' tensors, and
+"used" counts the whole model's: another stage's tensor is fine, one no stage takes is an error.
+No communication: ranks read independently.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_moe.models import MoETransformer
 from lightning_moe.models.hf.config_map import config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config
 from lightning_moe.models.hf.weights import Source, check_leftovers, hf_sources
 from lightning_moe.parallel.expert_parallel import expert_shard, ffn_block_ranges
+from lightning_moe.parallel.pipeline_split import trim_record
 
 __all__ = ["load_hf_weights", "local_ranges"]
 
@@ -133,6 +138,17 @@ def _persistent_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
                 yield (f"{prefix}.{name}" if prefix else name), buffer
 
 
+def _whole_model_keys(config) -> list[str]:
+    """The state-dict keys of the whole :class:`MoETransformer` of ``config`` (a pipeline stage holds some).
+
+    Built on the meta device (no memory) with the CPU RNG restored afterwards: building a MoE layer
+    draws its seed from it, and the real model's later draws must not change.
+    """
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        whole = MoETransformer(config)
+    return [key for key, _ in _persistent_tensors(whole)]
+
+
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -161,7 +177,9 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> int:
     expected = list(tensors) + (["lm_head.weight"] if config.tie_embeddings and "lm_head.weight" not in tensors else [])
     with SafetensorsReader(path) as files:
         sources = hf_sources(files.keys(), config, family, expected)
-        check_leftovers(files.keys(), sources, config, family)
+        # A pipeline stage reads its own tensors; the other stages' are not leftovers, a tensor no stage takes is.
+        whole = expected if trim_record(model) is None else _whole_model_keys(config)
+        check_leftovers(files.keys(), hf_sources(files.keys(), config, family, whole), config, family)
         missing = sorted(set(tensors) - set(sources))
         if missing:
             raise ValueError(f"{path} has no tensor for {', '.join(missing[:8])} of the model.")

@@ -28,6 +28,7 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.expert_support import expert_parallel_support_problem
 from lightning_moe.parallel.tensor_parallel import _check_divisible
 
 __all__ = [
@@ -122,11 +123,16 @@ def tensor_parallel_support_problem(model: nn.Module, tp: int) -> str | None:
 def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
     """Every reason :func:`~lightning_moe.parallel.parallelize` would refuse ``model`` on ``dims``.
 
-    :func:`expert_layer_problems` of every MoE layer, :func:`tensor_parallel_support_problem`, and
+    :func:`~lightning_moe.parallel.expert_support.expert_parallel_support_problem` (MoE blocks that
+    are not ``MoELayer`` s under EP), :func:`expert_layer_problems` of every MoE layer,
+    :func:`tensor_parallel_support_problem`, and
     ``apply_tensor_parallel``'s divisibility checks (vocabulary, heads and FFN over TP) of every
     :class:`~lightning_moe.models.MoETransformer`; one entry per distinct problem.
     """
     problems: list[str] = []
+    no_experts = expert_parallel_support_problem(model, dims)
+    if no_experts is not None:
+        problems.append(no_experts)
     for layer in model.modules():
         if isinstance(layer, MoELayer):
             problems.extend(p for p in expert_layer_problems(layer.config, dims) if p not in problems)

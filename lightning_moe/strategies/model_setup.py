@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
@@ -22,7 +22,9 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
+from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.expert_support import expert_parallel_support_problem
 from lightning_moe.parallel.fully_shard import (
     apply_fully_shard,
     check_fully_shard,
@@ -33,7 +35,8 @@ from lightning_moe.parallel.layout_check import tensor_parallel_support_problem
 from lightning_moe.parallel.parallelize import parallelize
 
 __all__ = [
-    "broadcast_initial_state", "check_context_parallel_support", "check_tensor_parallel_support", "materialize",
+    "broadcast_initial_state", "check_context_parallel_support", "check_expert_parallel_support",
+    "check_tensor_parallel_support", "materialize",
     "move_materialized", "prepare_model", "prepare_model_once", "shard_split_model",
 ]
 
@@ -63,6 +66,16 @@ def check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
     See :func:`~lightning_moe.parallel.layout_check.tensor_parallel_support_problem`.
     """
     problem = tensor_parallel_support_problem(model, tp)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def check_expert_parallel_support(model: nn.Module, dims: ParallelDims) -> None:
+    """Raise ``ValueError`` when the expert layout of ``dims`` would shard nothing of ``model``.
+
+    See :func:`~lightning_moe.parallel.expert_support.expert_parallel_support_problem`.
+    """
+    problem = expert_parallel_support_problem(model, dims)
     if problem is not None:
         raise ValueError(problem)
 
@@ -167,6 +180,7 @@ def prepare_model_once(
     """
     check_tensor_parallel_support(model, ctx.size("tp"))
     check_context_parallel_support(model, ctx.size("cp"))
+    check_expert_parallel_support(model, ctx.dims)
     layout = (ctx.dims, dispatcher, sharding_strategy)
     applied = getattr(model, _LAYOUT_ATTR, None)
     if applied == layout:
@@ -189,33 +203,83 @@ def prepare_model_once(
     return choices
 
 
-def materialize(model: nn.Module, device: torch.device, group=None) -> None:
-    """Give meta-device parameters storage on ``device`` and initialise them.
+def _meta_tensors(model: nn.Module) -> dict[tuple[str, str], nn.Module]:
+    """``{(module name, tensor name): module}`` of every parameter and buffer still on the meta device."""
+    found = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for kind in (module._parameters, module._buffers):
+            for key, tensor in kind.items():
+                if tensor is not None and tensor.is_meta:
+                    found[(name, key)] = module
+    return found
 
-    The reference transformer and MoE layers re-draw every weight of their subtree from their
-    seeds (experts from their global index); other modules use their own ``reset_parameters()``,
-    which draw from each rank's own RNG, so the replicated tensors are then broadcast from the
-    first rank of ``group`` (None: the default group; a pipeline stage's ranks under PP, whose
-    models hold different modules).
-    """
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return
-    model.to_empty(device=device)
-    covered: set[int] = set()
-    for module in model.modules():
-        if id(module) in covered:
+
+def _reset_roots(model: nn.Module, meta: dict[tuple[str, str], nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The modules whose ``reset_parameters()`` re-draws the meta tensors, outermost first: the reference
+    transformer and MoE layers holding any (they draw their whole subtree from their seeds), else
+    each module owning one directly."""
+    owners = {name for name, _ in meta}
+    roots, covered = [], []
+    for name, module in model.named_modules():
+        if any(name == c or name.startswith(c + ".") for c in covered):
             continue
-        if isinstance(module, (MoETransformer, MoELayer)):
-            module.reset_parameters()
-            covered.update(id(m) for m in module.modules())
-        elif callable(getattr(module, "reset_parameters", None)) and any(
-            True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False))
-        ):
-            module.reset_parameters()
+        inside = any(not name or o == name or o.startswith(name + ".") for o in owners)
+        if isinstance(module, (MoETransformer, MoELayer)) and inside:
+            roots.append((name, module))
+            covered.append(name)
+        elif name in owners and callable(getattr(module, "reset_parameters", None)):
+            roots.append((name, module))
+    return roots
+
+
+def _subtree_tensors(module: nn.Module, prefix: str, whole: bool) -> dict[tuple[str, str], Tensor]:
+    """``module``'s parameters and buffers (its subtree's when ``whole``), by (module name, tensor name)."""
+    found = {}
+    children = module.named_modules(prefix=prefix, remove_duplicate=False) if whole else [(prefix, module)]
+    for name, sub in children:
+        for kind in (sub._parameters, sub._buffers):
+            for key, tensor in kind.items():
+                if tensor is not None:
+                    found[(name, key)] = tensor
+    return found
+
+
+def materialize(model: nn.Module, device: torch.device, group=None) -> None:
+    """Give the meta-device parameters and buffers of ``model`` storage on ``device`` and initialise them.
+
+    Only tensors on the meta device change: everything that already has storage (weights loaded
+    or built on a device, torchmetrics states and their reset values, which ``Module.to_empty``
+    would replace by uninitialised memory) keeps its values. The reference transformer and MoE
+    layers re-draw every weight of their subtree from their seeds (experts from their global
+    index); other modules owning a meta tensor use their own ``reset_parameters()``, which draws
+    from each rank's own RNG, so the materialised replicated tensors are then broadcast from the
+    first rank of ``group`` (None: the default group; a pipeline stage's ranks under PP, whose
+    models hold different modules). A tensor that had storage inside a re-initialised module gets
+    its values back afterwards.
+    """
+    meta = _meta_tensors(model)
+    if not meta:
+        return
+    roots = _reset_roots(model, meta)
+    kept = {}
+    for name, module in roots:
+        whole = isinstance(module, (MoETransformer, MoELayer))
+        kept.update({k: t.detach().clone() for k, t in _subtree_tensors(module, name, whole).items()
+                     if k not in meta and not t.is_meta})
+    # Module._apply, as to_empty, but the identity on tensors with storage (torchmetrics applies it to its states).
+    model._apply(lambda tensor: torch.empty_like(tensor, device=device) if tensor.is_meta else tensor)
+    for _, module in roots:
+        module.reset_parameters()
+    modules = dict(model.named_modules(remove_duplicate=False))
+    with torch.no_grad():
+        for (name, key), value in kept.items():
+            owner = modules[name]
+            (owner._parameters.get(key) if key in owner._parameters else owner._buffers[key]).copy_(value)
     if dist.is_initialized():
         source = 0 if group is None else dist.get_global_rank(group, 0)
+        materialized = {id(t): t for k, t in _subtree_tensors(model, "", True).items() if k in meta}
         with torch.no_grad():
-            for tensor in (*model.parameters(), *model.buffers()):
+            for tensor in materialized.values():
                 # Expert shards differ per rank and DTensors were drawn from seeds: leave both.
                 if not is_expert_param(tensor) and not isinstance(tensor, DTensor):
                     dist.broadcast(tensor.data, src=source, group=group)

@@ -151,6 +151,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         self.bucket_size_mb = bucket_size_mb
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._context: ParallelContext | None = None
+        self._layout_announced = False
         self._device_mesh: DeviceMesh | None = None
         self._grad_sync: GradSync | ShardedGradSync | None = None
         self._safeguards = StepSafeguards(on_nonfinite_grads)
@@ -272,9 +273,6 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
                 [dense.get_group(i) for i in range(dense.ndim)], self.root_device.type,
                 mesh=dense.mesh, mesh_dim_names=_LIGHTNING_MESH_NAMES,
             )
-            rank_zero_info(
-                f"MoEStrategy: {dims.describe()}, dispatcher={self.dispatcher}, sharding_strategy={self.sharding_strategy}"
-            )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -294,6 +292,12 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
             sharding_mp_policy(str(getattr(self.precision_plugin, "precision", ""))), self.flex_backend,
             self.cp_comm_type, split,
         )
+        if not self._layout_announced:  # once the model holds the layout: the banner never claims one not applied
+            rank_zero_info(
+                f"MoEStrategy: {self.parallel_context.dims.describe()}, dispatcher={self.dispatcher}, "
+                f"sharding_strategy={self.sharding_strategy}"
+            )
+            self._layout_announced = True
         if gemm_choices:
             rank_zero_info(
                 f"MoEStrategy: CPU expert GEMMs through {describe_cpu_gemm_choices(gemm_choices)} (measured on "

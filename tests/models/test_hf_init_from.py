@@ -13,14 +13,13 @@ After the step, each layout's sharded checkpoint exported with ``export_hf`` (``
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from helpers.dist import run_distributed
+from helpers.hf import tiny_models
 from strategies.toy import quiet_trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -31,18 +30,9 @@ from lightning_moe.models.transformer import next_token_loss
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 pytest.importorskip("safetensors", reason="the hf and test extras install safetensors")
 
-REPO = Path(__file__).resolve().parents[2]
 WORLD, SEQ, LOCAL_BATCH = 4, 16, 2
 LOSS_RTOL = 1e-5
 LAYOUTS = {"ep2": (1, 2, 1), "tp2-ep4-etp1": (2, 4, 1)}
-
-
-def tiny_models():
-    """``examples/make_tiny_hf_model.py`` as a module."""
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", REPO / "examples" / "make_tiny_hf_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

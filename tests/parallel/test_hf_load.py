@@ -13,13 +13,11 @@ share of the bytes (plus the replicated tensors): no rank reads the whole model.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from helpers.asserts import assert_close_to_scale
 from helpers.dist import run_distributed
+from helpers.hf import tiny_models
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.models import MoETransformer
@@ -28,18 +26,9 @@ from lightning_moe.parallel import ParallelDims, build_parallel_context, paralle
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 pytest.importorskip("safetensors", reason="the hf and test extras install safetensors")
 
-REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
 LOGITS_TOL = 1e-5
 LAYOUTS = {"ep2": (1, 2, 1), "tp2-ep4-etp1": (2, 4, 1), "tp2-ep2-etp2": (2, 2, 2)}
-
-
-def tiny_models():
-    """``examples/make_tiny_hf_model.py`` as a module."""
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", REPO / "examples" / "make_tiny_hf_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])

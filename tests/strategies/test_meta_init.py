@@ -1,7 +1,7 @@
 """A model built on the meta device trains exactly like one built directly.
 
-``MoEStrategy`` parallelizes the meta model (experts cut to their shards), materialises it with
-``to_empty`` and re-draws every weight from its seeds. The shard tags that route expert gradients
+``MoEStrategy`` parallelizes the meta model (experts cut to their shards), gives its meta tensors
+storage and re-draws every weight from its seeds. The shard tags that route expert gradients
 to the expert-data-parallel group must survive that, and the run must equal a directly built one.
 """
 

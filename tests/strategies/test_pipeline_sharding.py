@@ -17,7 +17,7 @@ tensor-parallel-partial gradients of the trimmed, sharded stages are summed over
 
 Meta device: a model built on the meta device trains as the materialised one. Each rank gives
 storage only to its own stages (materialised after the trim, before the sharding): the
-parameters that ``to_empty`` allocates are exactly the rank's stages', fewer than the model's.
+parameters that the materialisation allocates are exactly the rank's stages', fewer than the model's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_moe.lit import MoELanguageModel
-from lightning_moe.strategies import MoEStrategy
+from lightning_moe.strategies import MoEStrategy, model_setup
 
 pytestmark = pytest.mark.distributed
 
@@ -74,13 +74,14 @@ def _fit(schedule: str, sharding: str, pp: int = 2, steps: int = STEPS, ckpt_pat
         with torch.device("meta"):
             module.configure_model()
     measure, count = Measure(1), CountReductions()
-    materialised: list[int] = []  # parameters given storage by each to_empty of the whole module
-    to_empty = torch.nn.Module.to_empty
+    materialised: list[int] = []  # meta parameters given storage by each materialisation of the whole module
+    materialize = model_setup.materialize
 
-    def counting_to_empty(self, *args, **kwargs):
-        if isinstance(self, L.LightningModule):
-            materialised.append(sum(p.numel() for p in self.parameters()))
-        return to_empty(self, *args, **kwargs)
+    def counting_materialize(model, *args, **kwargs):
+        meta = sum(p.numel() for p in model.parameters() if p.is_meta)
+        if isinstance(model, L.LightningModule) and meta:
+            materialised.append(meta)
+        return materialize(model, *args, **kwargs)
 
     strategy = MoEStrategy(pipeline_parallel_size=pp, pipeline_schedule=schedule, num_microbatches=M if pp > 1 else None,
                            sharding_strategy=sharding, **sizes)
@@ -89,7 +90,7 @@ def _fit(schedule: str, sharding: str, pp: int = 2, steps: int = STEPS, ckpt_pat
         limit_val_batches=1,
     ))
     with mock.patch.object(_fsdp_param_group, "foreach_reduce", count.counted), \
-            mock.patch.object(torch.nn.Module, "to_empty", counting_to_empty):
+            mock.patch.object(model_setup, "materialize", counting_materialize):
         trainer.fit(module, DataLoader(dataset(2 * STEPS * BATCH), batch_size=BATCH),
                     DataLoader(dataset(2 * BATCH), batch_size=BATCH), ckpt_path=ckpt_path)
     return {

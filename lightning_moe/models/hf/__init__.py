@@ -26,6 +26,7 @@ from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.hf.config_export import PASSTHROUGH_KEYS, config_to_hf, infer_family
 from lightning_moe.models.hf.config_map import FAMILIES, config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config, write_config, write_safetensors
+from lightning_moe.models.hf.source import exported_config
 from lightning_moe.models.hf.weights import hf_state_dict, hf_tensors
 
 __all__ = [
@@ -73,7 +74,8 @@ def load_pretrained(
     files (no random initialisation, no second copy), in the file's dtype unless ``dtype`` casts
     all of them (the router's expert bias stays fp32). ``overrides`` replace config fields (see
     ``MoETransformer.from_pretrained``); the family's name and the token ids of ``config.json``
-    are kept on the model (``hf_family``, ``hf_extra_config``) for :func:`save_pretrained`.
+    are kept on the model (``hf_family``, ``hf_extra_config``, and the whole ``config.json`` as
+    ``hf_source_config``) for :func:`save_pretrained`.
     """
     if model_class is None:
         from lightning_moe.models.transformer import MoETransformer as model_class
@@ -91,6 +93,7 @@ def load_pretrained(
         model.to(dtype)
     model.hf_family = family
     model.hf_extra_config = {key: raw[key] for key in PASSTHROUGH_KEYS if key in raw}
+    model.hf_source_config = raw  # save_pretrained writes it back, unchanged where the model did not change
     return model
 
 
@@ -100,7 +103,9 @@ def save_pretrained(
     """Write ``model`` as a Hugging Face ``family`` directory (``config.json`` + safetensors) at ``path``.
 
     ``family`` defaults to the one the model was loaded from, else :func:`infer_family`. The
-    config is checked before anything is written. Needs the whole model on this process: a
+    config is checked before anything is written; a model loaded by :func:`load_pretrained` writes
+    its source's ``config.json``, unchanged where the model did not change
+    (:func:`~lightning_moe.models.hf.source.exported_config`). Needs the whole model on this process: a
     tensor- or expert-parallel model is refused (gather it into a single-device model first).
     """
     config = model.config
@@ -114,7 +119,8 @@ def save_pretrained(
             f"save_pretrained needs the whole model on this process, but {sharded[0]} (and {len(sharded) - 1} "
             "more) is sharded across ranks; save from a single-device copy of the model."
         )
-    hf_config = config_to_hf(config, family, model.embed.weight.dtype, getattr(model, "hf_extra_config", None))
+    hf_config = exported_config(config, family, model.embed.weight.dtype, getattr(model, "hf_extra_config", None),
+                                getattr(model, "hf_source_config", None))
     tensors = hf_tensors(state, config, family)
     os.makedirs(path, exist_ok=True)
     write_safetensors(tensors, path, max_shard_size)

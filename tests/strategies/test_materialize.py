@@ -1,0 +1,44 @@
+"""``model_setup.materialize`` gives storage to the meta-device tensors only, and draws only those.
+
+Oracle: the values the model held before (a layer built on the CPU, a torchmetrics metric's
+running sums and reset defaults must be kept bit for bit: ``Module.to_empty`` would replace them
+with uninitialised memory), and a ``MoELayer`` built directly and drawn from the same seed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_moe import MoEConfig, MoELayer
+from lightning_moe.lit.module import TokenMeanLoss
+from lightning_moe.strategies.model_setup import materialize
+
+CONFIG = MoEConfig(8, 4, 4, top_k=2)
+
+
+class PartlyMeta(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 8)
+        self.metric = TokenMeanLoss()
+        with torch.device("meta"):
+            self.moe = MoELayer(CONFIG)
+
+
+def test_only_meta_tensors_are_materialised_and_drawn():
+    torch.manual_seed(0)
+    model = PartlyMeta()
+    model.metric.update(torch.tensor(2.0), torch.tensor(3))
+    head = {k: v.clone() for k, v in model.head.state_dict().items()}
+    materialize(model, torch.device("cpu"))
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    for key, value in model.head.state_dict().items():
+        assert torch.equal(value, head[key]), key
+    assert model.metric.loss_sum.item() == 6.0 and model.metric.num_targets.item() == 3
+    assert model.metric._defaults["loss_sum"].item() == 0.0 and model.metric._defaults["num_targets"].item() == 0
+    direct = MoELayer(CONFIG)
+    direct.init_seed = model.moe.init_seed
+    direct.reset_parameters()
+    for key, value in direct.state_dict().items():
+        assert torch.equal(model.moe.state_dict()[key], value), key
