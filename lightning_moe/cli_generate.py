@@ -34,7 +34,7 @@ from lightning_moe.data.token_check import TokenIdError, check_token_ids
 from lightning_moe.models import MoETransformer
 from lightning_moe.models.generation import generate_tokens
 from lightning_moe.parallel.checkpoint_export import read_checkpoint
-from lightning_moe.parallel.checkpoint_export_hf import _description
+from lightning_moe.parallel.checkpoint_export_hf import recorded_config
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
 from lightning_moe.parallel.checkpoint_security import UnsafeCheckpointError
 
@@ -117,7 +117,7 @@ def load_checkpoint_model(
     data module's). One process; the whole model in memory once."""
     source = Path(checkpoint)
     state, _, _, _, extras = read_checkpoint(source, verify=verify)
-    config, _, _ = _description(extras, source)
+    config = recorded_config(extras, source)
     weights = {key[len(_MODEL_PREFIX):]: value for key, value in state.items() if key.startswith(_MODEL_PREFIX)}
     if not weights:
         raise ValueError(f"{source} holds no 'model.*' weights: it is not a MoELanguageModel checkpoint.")

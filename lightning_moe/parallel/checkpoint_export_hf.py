@@ -38,7 +38,7 @@ from lightning_moe.models.hf.weights import hf_tensors
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, read_checkpoint
 from lightning_moe.parallel.checkpoint_files import partial_path
 
-__all__ = ["MODEL_CONFIG_KEY", "config_from_dict", "export_hf", "model_record"]
+__all__ = ["MODEL_CONFIG_KEY", "config_from_dict", "export_hf", "model_record", "recorded_config"]
 
 MODEL_CONFIG_KEY = "moe_transformer"
 """Checkpoint entry of ``MoELanguageModel``: ``{"config": asdict(config), "hf_family", "hf_extra_config"}``."""
@@ -85,6 +85,13 @@ def _record(extras: dict[str, Any], source: Path) -> tuple[MoETransformerConfig,
         "hyperparameter): --format hf exports checkpoints of lightning_moe.lit.MoELanguageModel; use "
         "--format torch for the weights of any other LightningModule."
     )
+
+
+def recorded_config(extras: dict[str, Any], source: str | os.PathLike) -> MoETransformerConfig:
+    """The :class:`MoETransformerConfig` a ``MoELanguageModel`` checkpoint records (``extras`` as
+    :func:`~lightning_moe.parallel.checkpoint_export.read_checkpoint` returns them); ``ValueError``
+    naming ``source`` when it records none (another LightningModule's checkpoint)."""
+    return _record(extras, Path(source))[0]
 
 
 def _check_output(output: Path, checkpoint: Path, overwrite: bool) -> None:
