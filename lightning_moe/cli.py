@@ -45,6 +45,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import lightning_moe.strategies  # noqa: F401  (registers strategy="moe")
+from lightning_moe.cli_help import HelpParser
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
 from lightning_moe.parallel.checkpoint_export_hf import export_hf
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
@@ -149,6 +150,7 @@ class MoECLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("parser_class", HelpParser)  # --help without the docstrings' Sphinx markup
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
