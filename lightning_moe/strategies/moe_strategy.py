@@ -327,7 +327,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
             detect_anomaly=getattr(trainer, "_detect_anomaly", False),
         )
         if trainer.state.fn == TrainerFn.FITTING:
-            use_global_model_summary(trainer.callbacks)
+            use_global_model_summary(trainer.callbacks, None if self._pipeline is None else self._pipeline.runner)
             add_expert_bias_updater(trainer.callbacks, self.model)
             if self._grad_sync is None:
                 self._grad_sync = make_grad_sync(
