@@ -28,7 +28,9 @@ For each EP size, ``EP`` ranks are forked (``tests/helpers/dist.py::run_distribu
     is the slowest rank's. Every case runs under the same contention (all ranks busy), so perfect
     scaling is a ratio of ``1/EP`` even with more ranks than cores; the gap to it is routing,
     permutation and communication overhead (gloo over loopback here) and load imbalance.
-    Each dispatcher's output is also checked against the single-device layer (max abs error).
+    Each dispatcher's output is also checked against the single-device layer (max abs error): an
+    error that is NaN, infinite or above ``ERROR_TOL`` times the largest output marks the row
+    ``FAIL`` and the script exits with status 1 after printing every table.
 
     python benchmarks/dispatch.py                       # EP=2 and EP=4, default config
     python benchmarks/dispatch.py --ep 2 --tokens 256 --rounds 3 --output /tmp/dispatch.md
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import platform
 import statistics
@@ -50,6 +53,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timing
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # helpers
 
+from helpers.asserts import exceeds, worst_error
 from helpers.dist import run_distributed
 from timing import Case, ratio_table, run_interleaved, write_tables
 
@@ -59,6 +63,9 @@ from lightning_moe.parallel import ParallelDims, build_parallel_context, paralle
 from lightning_moe.parallel.dispatchers import DISPATCHERS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ERROR_TOL = {"fp32": 1e-5, "bf16": 1e-2}
+"""Largest output error against the single-device layer, relative to its largest output: the same
+math summed in another order (fp32 rounding; bf16 rounding of every product and partial sum)."""
 SINGLE = "single-device"
 
 
@@ -100,7 +107,9 @@ def _bench_rank(rank: int, world_size: int, config: MoEConfig, tokens: int, dtyp
         assert stats.dispatches == 1, stats
         result["bytes"][name] = {"dispatch": stats.dispatch_bytes, "combine": stats.combine_bytes,
                                  "rows": stats.rows_sent, "index": stats.dispatch_index_bytes}
+        # torch's max propagates NaN (Python's max() would not): a NaN output is a NaN error.
         result["error"][name] = (out.detach().float() - expected.float()).abs().max().item()
+    result["scale"] = expected.float().abs().max().item()
     result["refs"] = _routing_references(single.router, x, world_size, rank)
     result["hidden_bytes"] = config.hidden_size * x.element_size()
 
@@ -120,7 +129,20 @@ def _bench_rank(rank: int, world_size: int, config: MoEConfig, tokens: int, dtyp
     return result
 
 
-def _bytes_table(ep: int, per_rank: list[dict]) -> str:
+def worst_errors(per_rank: list[dict]) -> dict[str, float]:
+    """Each dispatcher's largest output error over the ranks, NaN when any rank's is NaN."""
+    return {name: functools.reduce(worst_error, (r["error"][name] for r in per_rank), 0.0)
+            for name in per_rank[0]["error"]}
+
+
+def error_failures(per_rank: list[dict], tol: float) -> list[str]:
+    """The dispatchers whose output error on some rank is NaN, infinite or above ``tol`` times that
+    rank's largest single-device output."""
+    return [name for name in per_rank[0]["error"]
+            if any(exceeds(r["error"][name], tol * r["scale"]) for r in per_rank)]
+
+
+def _bytes_table(ep: int, per_rank: list[dict], tol: float) -> str:
     """Forward bytes per dispatcher against the routed and dedup references (sums over ranks)."""
     hidden_bytes = per_rank[0]["hidden_bytes"]
     prob_bytes = per_rank[0]["refs"]["prob_bytes"]
@@ -138,15 +160,17 @@ def _bytes_table(ep: int, per_rank: list[dict]) -> str:
         "| max abs err |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    errors, failed = worst_errors(per_rank), error_failures(per_rank, tol)
     for name in per_rank[0]["bytes"]:
         rows = sum(r["bytes"][name]["rows"] for r in per_rank)
         sent = sum(r["bytes"][name]["dispatch"] for r in per_rank)
         back = sum(r["bytes"][name]["combine"] for r in per_rank)
         index = sum(r["bytes"][name]["index"] for r in per_rank)
-        error = max(r["error"][name] for r in per_rank)
+        verdict = " FAIL" if name in failed else ""
         lines.append(
             f"| {name} | {rows} | {sent / 1e6:.3f} | {back / 1e6:.3f} | {(sent + back) / 1e6:.3f} | "
-            f"{(sent + back) / routed:.3f}x | {(sent + back) / dedup:.3f}x | {index / 1e6:.3f} | {error:.1e} |"
+            f"{(sent + back) / routed:.3f}x | {(sent + back) / dedup:.3f}x | {index / 1e6:.3f} | "
+            f"{errors[name]:.1e}{verdict} |"
         )
     return "\n".join(lines)
 
@@ -195,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         f"top-{args.top_k}, {args.score_func} router, {args.dtype}; {args.rounds} rounds, median"
     )
     tables = [header]
+    failures = []
     print(header, flush=True)
     for ep in (int(e) for e in args.ep.split(",")):
         with tempfile.TemporaryDirectory(prefix="dispatch-bench-") as tmp:
@@ -202,10 +227,14 @@ def main(argv: list[str] | None = None) -> None:
                 _bench_rank, ep, config, args.tokens, DTYPES[args.dtype], args.rounds, args.warmup,
                 timeout_s=args.timeout, tmp_dir=tmp,
             )
-        for table in (_bytes_table(ep, per_rank), _time_table(ep, args.tokens, per_rank)):
+        failures += [f"EP={ep} {name}" for name in error_failures(per_rank, ERROR_TOL[args.dtype])]
+        for table in (_bytes_table(ep, per_rank, ERROR_TOL[args.dtype]), _time_table(ep, args.tokens, per_rank)):
             print("\n" + table, flush=True)
             tables.append(table)
     write_tables(args.output, tables)
+    if failures:
+        sys.exit(f"Output differs from the single-device layer (NaN, infinite or above {ERROR_TOL[args.dtype]:g} of "
+                 f"the largest output): {', '.join(failures)}.")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 import lightning_moe.strategies  # noqa: F401  (registers strategy="moe")
 from lightning_moe.cli_checks import check_config_before_launch, check_init_from_before_launch
 from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
+from lightning_moe.cli_help import HelpParser
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
 from lightning_moe.parallel.checkpoint_export_hf import export_hf
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
@@ -162,6 +163,7 @@ class MoECLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("parser_class", HelpParser)  # --help without the docstrings' Sphinx markup
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

@@ -137,3 +137,27 @@ def test_pipeline_bubble_smoke():
     cells = [c.strip() for c in row.strip().strip("|").split("|")]
     assert cells[0] == "1F1B M=4 V=1" and cells[4] == "0.200", cells  # (P-1)/(M+P-1) with P=2, M=4
     assert float(cells[1]) > 0 and float(cells[2]) > 0, cells
+
+
+def _load_benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dispatch_benchmark_reports_a_nan_error_as_a_failure():
+    """In process, on made-up per-rank results: a NaN on one rank fails whatever the rank order
+    (Python's ``max(0.0, nan)`` is 0.0), and so does an error above the tolerance."""
+    dispatch = _load_benchmark("dispatch")
+
+    def rank(error: dict) -> dict:
+        return {"error": error, "scale": 2.0}
+
+    for per_rank in ([rank({"a": 0.0, "b": 1e-7}), rank({"a": float("nan"), "b": 1e-7})],
+                     [rank({"a": float("nan"), "b": 1e-7}), rank({"a": 0.0, "b": 1e-7})]):
+        assert dispatch.error_failures(per_rank, 1e-5) == ["a"]
+        worst = dispatch.worst_errors(per_rank)
+        assert worst["a"] != worst["a"] and worst["b"] == 1e-7  # NaN
+    assert dispatch.error_failures([rank({"a": 3e-5})], 1e-5) == ["a"]  # above 1e-5 x the largest output 2.0
+    assert dispatch.error_failures([rank({"a": 1.9e-5})], 1e-5) == []

@@ -311,6 +311,12 @@ class MoELanguageModel(L.LightningModule):
         """
         return self._training_loss(logits, targets)
 
+    def pipeline_num_targets(self, targets: Tensor) -> Tensor:
+        """The targets a micro-batch keeps (not ``IGNORE_INDEX``), on the device: under pipeline
+        parallelism each micro-batch's :meth:`pipeline_loss` weighs by its share of the batch's, so
+        ``train_loss`` and the gradients are the mean per target of the whole batch, as at PP=1."""
+        return (targets != IGNORE_INDEX).sum()
+
     def pipeline_validation_step(self, losses: Tensor, targets: Tensor, batch_idx: int) -> None:
         """:meth:`validation_step` under pipeline parallelism: the same ``val_loss`` and ``val_ppl``.
 

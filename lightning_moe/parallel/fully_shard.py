@@ -25,7 +25,9 @@ such as the router and the shared expert) are summed over ``tp`` afterwards by
 
 ``"SHARD_GRAD_OP"`` keeps each unit's parameters gathered from its forward to its backward
 (``reshard_after_forward=False``: one all-gather per step); ``"FULL_SHARD"`` frees them after
-the forward and gathers them again for the backward (``reshard_after_forward=True``).
+the forward and gathers them again for the backward (``reshard_after_forward=True``). No unit
+returns a view (:func:`~lightning_moe.parallel.fsdp_outputs.return_no_views`: an in-place op on
+one would drop FSDP's pre-backward hook, and torch warns about it on every rank).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_shard, record_fsdp_sharding
+from lightning_moe.parallel.fsdp_outputs import return_no_views
 
 __all__ = [
     "SHARDING_STRATEGIES",
@@ -152,7 +155,7 @@ def _tp_partial_names(model: nn.Module, ctx: ParallelContext) -> set[str]:
 
 def _shard_experts(layer: MoELayer, mesh: DeviceMesh, divide: float, **kwargs) -> None:
     experts = layer.experts
-    fully_shard(experts, mesh=mesh, shard_placement_fn=lambda p: Shard(expert_hidden_dim(expert_shard(p))), **kwargs)
+    fully_shard(return_no_views(experts), mesh=mesh, shard_placement_fn=lambda p: Shard(expert_hidden_dim(expert_shard(p))), **kwargs)
     record_fsdp_sharding(experts)
     _sum_then_divide(experts, divide, mesh.size())
 
@@ -228,11 +231,11 @@ def apply_fully_shard(
     sharded: set[int] = {id(p) for _, layer in moe_layers for p in layer.experts.parameters()}
     units = _dense_units(model)
     for unit in units:
-        fully_shard(unit, mesh=dense_mesh, **kwargs)
+        fully_shard(return_no_views(unit), mesh=dense_mesh, **kwargs)
         sharded.update(id(p) for p in unit.parameters())
     top = _top_level_units(model, sharded)
     for unit in top:
-        fully_shard(unit, mesh=dense_mesh, **kwargs)
+        fully_shard(return_no_views(unit), mesh=dense_mesh, **kwargs)
     for unit in (*units, *top):
         _sum_then_divide(unit, divide, dense_mesh.size())
     setattr(model, _TP_PARTIAL_ATTR, frozenset(tp_partial))

@@ -14,7 +14,11 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
 * each batch is split into ``num_microbatches`` equal micro-batches along dimension 0; the loss
   function gives each one's mean loss and the schedule divides every gradient by the number of
   micro-batches once, after the last backward (``scale_grads``), so the gradients equal those of
-  ``M``-step gradient accumulation of the same micro-batches. The MoE aux and z losses inject
+  ``M``-step gradient accumulation of the same micro-batches. With ``num_targets`` (a function
+  counting the targets a micro-batch keeps) each micro-batch's loss is weighed by its share of the
+  batch's targets instead (:class:`~lightning_moe.parallel.pipeline_loss.TargetWeightedLoss`), so
+  the loss and its gradients are the mean per target of the whole batch, as at PP=1, however the
+  kept targets fall into micro-batches (one without any counts for nothing). The MoE aux and z losses inject
   their gradients inside the stages: their scale must be 1 (times strategy factors), because the
   schedule's division applies to their gradients as well;
 * gradients are reduced over the data-parallel groups once after the schedule, not per
@@ -67,6 +71,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.pipeline_loss import TargetWeightedLoss
 from lightning_moe.parallel.pipeline_split import (
     StageModule,
     layer_split,
@@ -174,12 +179,16 @@ class PipelineRunner:
         device: where the stages compute.
         virtual_stages: stages per rank (None: what the schedule needs).
         split: blocks per stage, in stage order (None: as even as possible).
+        num_targets: ``targets -> number of targets kept`` (a 0-d integer tensor) of one
+            micro-batch's targets; when given, training weighs each micro-batch's loss by its share
+            of the batch's targets (the mean per target of the whole batch), else each counts
+            ``1 / num_microbatches``. Evaluation returns the unweighted micro-batch losses either way.
     """
 
     def __init__(
         self, model: nn.Module, ctx: ParallelContext, schedule: str, num_microbatches: int,
         loss_fn: Callable[[Tensor, Tensor], Tensor], device: torch.device, virtual_stages: int | None = None,
-        split: Sequence[int] | None = None,
+        split: Sequence[int] | None = None, num_targets: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.num_microbatches, self.virtual_stages = check_pipeline_options(schedule, num_microbatches, virtual_stages)
         self.schedule_name = schedule
@@ -195,6 +204,8 @@ class PipelineRunner:
                 f"{type(model).__name__}; make the network a MoETransformer, or use context_parallel_size=1."
             )
         self._cp_group = ctx.group("cp") if ctx.size("cp") > 1 else None
+        self._weighted_loss = None if num_targets is None else TargetWeightedLoss(
+            loss_fn, num_targets, self.num_microbatches, self._cp_group)
         parts = pipeline_parts_of(model)
         num_blocks = num_blocks_before_trim(model, parts)  # a model trimmed by an earlier run counts them all
         self.num_stages = self.pp * self.virtual_stages
@@ -244,7 +255,8 @@ class PipelineRunner:
             cls = PIPELINE_SCHEDULES[self.schedule_name][0]
             first = stages[0] if self.virtual_stages == 1 else stages
             # Sharded: the gradients are divided after their reduction, in step().
-            schedule = cls(first, self.num_microbatches, loss_fn=self.loss_fn, scale_grads=not self._sharded())
+            loss_fn = self._weighted_loss if train and self._weighted_loss is not None else self.loss_fn
+            schedule = cls(first, self.num_microbatches, loss_fn=loss_fn, scale_grads=not self._sharded())
             if not train and isinstance(schedule, _PipelineScheduleRuntime):
                 _forward_only(schedule)
             self._schedules[key] = schedule
@@ -306,7 +318,12 @@ class PipelineRunner:
         losses: list[Tensor] = []
         kwargs = {"target": target, "losses": losses if self.has_last else None}
         if train:
+            weighted = self._weighted_loss if self.has_last else None
+            if weighted is not None:
+                weighted.start(targets)
             schedule.step(*args, return_outputs=False, **kwargs)
+            if weighted is not None:
+                weighted.finish()
         else:
             schedule.eval(*args, **kwargs)
         if self.has_last:

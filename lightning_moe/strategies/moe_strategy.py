@@ -100,6 +100,24 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
             :class:`~lightning_moe.strategies.optimizer_step.NonFiniteGradientsError` before the
             optimizer step; ``"skip"``: the step is skipped and counted in ``moe/skipped_steps``.
             Under ``16-mixed`` the GradScaler handles overflows instead.
+        pipeline_schedule: with ``pipeline_parallel_size > 1``, the ``torch.distributed.pipelining``
+            schedule: ``"1F1B"`` (default), ``"GPipe"``, ``"Interleaved1F1B"`` (``virtual_stages >= 2``)
+            or ``"ZBVZeroBubble"`` (zero bubble, exactly 2 stages per rank).
+        num_microbatches: micro-batches each batch is split into under PP (the batch size must be a
+            multiple; None: 1). More micro-batches shrink the pipeline bubble; use it instead of
+            ``accumulate_grad_batches``.
+        virtual_stages: stages per PP rank (None: what the schedule needs, 2 for the interleaved
+            and V schedules).
+        pipeline_layer_split: transformer blocks per stage, in stage order, summing to the number
+            of blocks (None: as even as possible, earlier stages first; the embedding rides with the
+            first stage, the final norm and the head with the last).
+        accelerator: Lightning's accelerator (None: the Trainer's).
+        parallel_devices: the devices of this node (None: set by the Trainer from ``devices``).
+        cluster_environment: Lightning's cluster environment (None: detected; an existing
+            process group is used as is).
+        checkpoint_io: accepted for Lightning's signature; checkpoints are written and read by the strategy itself
+            (sharded directories or one file), not through a CheckpointIO plugin.
+        precision_plugin: Lightning's precision plugin (None: from the Trainer's ``precision``).
     """
 
     strategy_name = "moe"
@@ -313,7 +331,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
             detect_anomaly=getattr(trainer, "_detect_anomaly", False),
         )
         if trainer.state.fn == TrainerFn.FITTING:
-            use_global_model_summary(trainer.callbacks)
+            use_global_model_summary(trainer.callbacks, None if self._pipeline is None else self._pipeline.runner)
             add_expert_bias_updater(trainer.callbacks, self.model)
             if self._grad_sync is None:
                 self._grad_sync = make_grad_sync(

@@ -24,7 +24,10 @@ over the optimisation step's forward and backward:
 
 Protocol of the LightningModule: batches are ``(inputs, targets)``; it defines
 ``pipeline_loss(outputs, targets) -> Tensor`` (one micro-batch's mean loss, on the last stage);
-the network to split is its one child that is a :class:`~lightning_moe.models.MoETransformer` or
+optionally ``pipeline_num_targets(targets) -> Tensor`` (the number of targets a micro-batch's
+``targets`` keep, a 0-d integer tensor), which makes ``train_loss`` and the gradients the mean per
+target of the whole batch, as at PP=1, however the kept targets fall into micro-batches (without
+it each micro-batch counts ``1 / num_microbatches``, as in gradient accumulation); the network to split is its one child that is a :class:`~lightning_moe.models.MoETransformer` or
 defines ``pipeline_parts()`` (:mod:`lightning_moe.parallel.pipeline_split`).
 
 Optionally it defines ``pipeline_validation_step(losses, targets, batch_idx)``, called on every
@@ -130,6 +133,7 @@ class PipelineDriver:
         return PipelineRunner(
             _network(module), strategy.parallel_context, self.schedule, self.num_microbatches,
             module.pipeline_loss, strategy.root_device, self.virtual_stages, self.layer_split,
+            num_targets=getattr(module, "pipeline_num_targets", None),
         )
 
     def setup(self, strategy: Any, trainer: Any) -> None:

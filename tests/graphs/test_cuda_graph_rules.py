@@ -20,7 +20,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from graphs.tiny import DROP_AND_PAD, SCOPE_SETS, batches, tiny_model, train
+from graphs.tiny import DROP_AND_PAD, SCOPE_SETS, batches, stage_results, tiny_model, train
 from helpers.lit import LossRecordingLM
 from strategies.toy import quiet_trainer_kwargs
 from torch import nn
@@ -265,6 +265,18 @@ def test_replayed_training_equals_eager(scopes, moe):
         torch.testing.assert_close(graphed_buffers[name], value, rtol=REPLAY_TOL, atol=REPLAY_TOL, msg=name)
     stats = manager.stats()
     assert stats and all(s["replays"] == 3 * 2 and s["eager_fallbacks"] == 0 for s in stats.values()), stats
+
+
+def test_a_stage_replayed_alone_equals_its_eager_run():
+    """The comparison the GPU test makes for each captured stage (``stage_results``), emulated."""
+    _, manager, _ = train(tiny_model(), batches(steps=1, micro=1, batch=2, seq=8), ("attn", "moe_router"), 1)
+    for stage in manager.stages[:2]:
+        eager, replayed = stage_results(stage, replay=False), stage_results(stage, replay=True)
+        assert len(eager) == len(replayed) > len(stage.params)
+        for got, want in zip(replayed, eager):
+            assert (got is None) == (want is None)
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=REPLAY_TOL, atol=REPLAY_TOL)
 
 
 @pytest.mark.parametrize("scopes", [("moe_router", "moe_preprocess"), ("moe",)])

@@ -13,9 +13,10 @@ from torch import Tensor
 
 from lightning_moe import MoEConfig
 from lightning_moe.graphs import CUDAGraphManager
+from lightning_moe.graphs.cuda_graph import GraphedStage, _Replay
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 
-__all__ = ["DROP_AND_PAD", "SCOPE_SETS", "VOCAB", "batches", "tiny_model", "train"]
+__all__ = ["DROP_AND_PAD", "SCOPE_SETS", "VOCAB", "batches", "stage_results", "tiny_model", "train"]
 
 VOCAB = 64
 DROP_AND_PAD = {"capacity_factor": 1.0, "pad_to_capacity": True}
@@ -104,3 +105,20 @@ def train(
         times.append(time.perf_counter() - start)
         losses.append(float(total))
     return losses, manager, times
+
+
+def stage_results(stage: GraphedStage, replay: bool) -> list[Tensor | None]:
+    """One captured stage on its static inputs: its outputs, then the gradients of its differentiable
+    inputs and parameters for all-ones output gradients (None where unused); eagerly (``stage.fn``
+    in the captured autocast state) or by replaying its forward and backward graphs."""
+    user = [t for t in stage._static_inputs if t is not None]
+    if replay:
+        outputs = list(_Replay.apply(stage, *user, *stage.params))
+    else:
+        with stage._autocast():
+            outputs = [o for o in stage.fn(*stage._static_inputs) if o is not None]
+    values = [o.detach().clone() for o in outputs]  # before the backward replay reuses graph memory
+    diff = [o for o, needs in zip(outputs, stage._output_diff) if needs]
+    wrt = [t for t in user if t.requires_grad] + [p for p in stage.params if p.requires_grad]
+    grads = torch.autograd.grad(diff, wrt, [torch.ones_like(o) for o in diff], allow_unused=True)
+    return values + [None if g is None else g.detach().clone() for g in grads]

@@ -1,8 +1,10 @@
-"""`MoEStrategy(context_parallel_size=2, pipeline_parallel_size=2)` equals CP=2 with gradient accumulation.
+"""`MoEStrategy(context_parallel_size=2, pipeline_parallel_size=2)` equals CP=2 on the whole batches.
 
 Oracle: CP=2 at PP=1 on 2 forked gloo ranks with ``accumulate_grad_batches=M`` on the same
 micro-batches (batch size ``B / M``; CP=2 itself equals one process:
-``test_context_parallel_fit.py``). On 4 ranks, CP=2 x PP=2 with ``num_microbatches=M=2`` (1F1B,
+``test_context_parallel_fit.py``), each micro-batch's loss weighed by its share of the batch's
+kept targets (``M * n_m / N``, counted here from the data): the loss of the whole batch, a mean per
+target, while the aux losses stay statistics of each micro-batch, as in the pipeline. On 4 ranks, CP=2 x PP=2 with ``num_microbatches=M=2`` (1F1B,
 Interleaved1F1B over 4 stages, and 1F1B with FSDP2 ``FULL_SHARD`` over DP x CP): the loss of every step (the same on every rank), the global
 gradient norm, the token-weighted validation loss and perplexity, and every parameter and expert
 bias after 3 AdamW steps must match, with clipping, aux, sequence aux and z losses and expert bias
@@ -18,7 +20,7 @@ import pytest
 import torch
 from helpers.dist import run_distributed
 from lightning.pytorch.callbacks import Callback
-from strategies.toy import quiet_trainer_kwargs
+from strategies.toy import quiet_trainer_kwargs, sample_indices
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,9 +77,9 @@ class Measure(Callback):
         self.norms.append(trainer.strategy.clip_grad_norm_(float("inf")).item())
 
 
-def fit(strategy: MoEStrategy, devices: int, batch_size: int, accumulate: int) -> dict:
+def fit(strategy: MoEStrategy, devices: int, batch_size: int, accumulate: int, cls=MoELanguageModel) -> dict:
     torch.manual_seed(0)
-    module = MoELanguageModel(model_config(), learning_rate=1e-2, warmup_steps=0)
+    module = cls(model_config(), learning_rate=1e-2, warmup_steps=0)
     measure = Measure(accumulate)
     trainer = L.Trainer(**quiet_trainer_kwargs(
         devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[measure], accumulate_grad_batches=accumulate,
@@ -95,8 +97,22 @@ def fit(strategy: MoEStrategy, devices: int, batch_size: int, accumulate: int) -
     }
 
 
+class TargetWeightedAccumulation(MoELanguageModel):
+    """Accumulated micro-batch ``i`` weighs ``weights[i]``: its share of its batch's targets, times M."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        targets = dataset(STEPS * BATCH, 1).tensors[1]
+        targets = targets[sample_indices(0, 0, len(targets), dp=1, local_batch=len(targets))]  # the loader's order
+        kept = (targets != IGNORE_INDEX).reshape(STEPS, M, -1).sum(-1).float()  # whole sequences: before CP
+        self.weights = (kept * M / kept.sum(1, keepdim=True)).flatten()
+
+    def training_step(self, batch, batch_idx: int):
+        return super().training_step(batch, batch_idx) * self.weights[batch_idx]
+
+
 def _reference(rank: int, world_size: int) -> dict:
-    return fit(MoEStrategy(context_parallel_size=2), 2, BATCH // M, M)
+    return fit(MoEStrategy(context_parallel_size=2), 2, BATCH // M, M, TargetWeightedAccumulation)
 
 
 def _cp_pp(rank: int, world_size: int) -> dict:

@@ -15,6 +15,7 @@ one row of each tensor (FSDP2 splits dimension 0 of dense tensors in ``ceil`` ch
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import lightning as L
@@ -129,7 +130,9 @@ def _fit(case: Case, sharding: str) -> dict:
         accumulate_grad_batches=case.accumulate, gradient_clip_val=case.clip,
         limit_val_batches=0,
     )
-    trainer.fit(module, DataLoader(dataset(), batch_size=LOCAL_BATCH))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(dataset(), batch_size=LOCAL_BATCH))
     state = module.state_dict()  # collective: the same order on every rank
     params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
     # Smallest rows: the rounding allowance of the byte prediction (one dimension-0 row per tensor).
@@ -142,12 +145,11 @@ def _fit(case: Case, sharding: str) -> dict:
     return {
         "losses": measure.losses, "norms": measure.norms, "params": params, "bytes": measure.bytes, "rows": rows,
         "sizes": {"dp_cp": ctx.size("dp_cp"), "edp": ctx.size("edp")},
+        "view warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)],
     }
 
 
 def _all(rank: int, world_size: int) -> dict:
-    import warnings
-
     warnings.filterwarnings("ignore", message=".*redistributing from.*")
     return {(case.name, s): _fit(case, s) for case in CASES for s in ("NO_SHARD", *STRATEGIES)}
 
@@ -169,6 +171,14 @@ def test_losses_norms_and_parameters_equal_no_shard(runs, case, sharding):
         if case.clip is not None:
             assert min(want["norms"]) > 2 * case.clip  # clipping was active
         assert_states_close(got["params"], want["params"], PARAM_RTOL, PARAM_ATOL, f"rank {rank}")
+
+
+def test_no_sharded_unit_returns_a_view(runs):
+    """At TP=2 the head's logits came out of DTensor.to_local() as a view: FSDP2 warned on every rank
+    (an in-place op on the view would drop its pre-backward hook)."""
+    for rank, r in enumerate(runs):
+        for key, result in r.items():
+            assert not result["view warnings"], (rank, key, result["view warnings"][:1])
 
 
 def test_training_moved_the_weights_and_the_expert_bias(runs):

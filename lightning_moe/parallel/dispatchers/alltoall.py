@@ -18,8 +18,9 @@ are all-gathered over the ETP x EP group and read to the host once per dispatch,
 device-to-host synchronisation. In drop-and-pad mode every (rank, expert) pair carries exactly
 ``capacity`` rows, so all sizes are static and nothing is read from the device; that mode needs
 the same number of tokens on every rank (as upstream). That is checked once, on the first
-dispatch of each dispatcher (every rank dispatches it together), with one small all-gather and a
-device-side assert on accelerators; later dispatches pay nothing for it.
+dispatch of each dispatcher (every rank dispatches it together), with one small all-gather read
+to the host (on accelerators too: a device-side assert would abort the process without saying
+why); later dispatches pay nothing for it.
 """
 
 from __future__ import annotations
@@ -85,22 +86,20 @@ class AllToAllDispatcher(ExpertParallelAllToAll):
         """Drop-and-pad sizes are computed from this rank's token count alone: all must agree.
 
         Run on the first dispatch only (an all-gather every forward would cost a collective per
-        layer and micro-batch for a property of the data pipeline). Checked without a host read on
-        accelerators (a device-side assert); on CPU the comparison is a plain host check.
+        layer and micro-batch for a property of the data pipeline). The gathered counts are read
+        to the host once, on every device, so a mismatch is a ``ValueError`` naming the counts
+        (``torch._assert_async`` on an accelerator would be an unrecoverable device assert with
+        no message).
         """
         local = torch.tensor([routing_map.shape[0]], device=routing_map.device)
-        counts = gather_sizes(local, self.etp_ep_group).view(-1)
-        equal = (counts == local).all()
-        message = (
-            "drop-and-pad (pad_to_capacity=True) with the alltoall dispatcher needs the same number of "
-            "tokens on every rank of the expert-parallel group (static split sizes); got different counts. "
-            "Use equal micro-batches, or the allgather dispatcher."
-        )
-        if routing_map.device.type == "cpu":
-            if not bool(equal):
-                raise ValueError(f"{message} Token counts: {counts.tolist()}.")
-        else:
-            torch._assert_async(equal, message)
+        counts = gather_sizes(local, self.etp_ep_group).view(-1).tolist()  # the first dispatch's one host read
+        if len(set(counts)) > 1:
+            raise ValueError(
+                "drop-and-pad (pad_to_capacity=True) with the alltoall dispatcher needs the same number of "
+                "tokens on every rank of the expert-parallel group (static split sizes); got token counts "
+                f"{counts} over the ETP x EP group. Use equal micro-batches on every rank, or the allgather "
+                "dispatcher."
+            )
 
     # -- protocol ---------------------------------------------------------------------------------
 
