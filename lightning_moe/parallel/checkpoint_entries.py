@@ -69,7 +69,8 @@ def _check_chunks(fqn: str, size: tuple[int, ...], chunks: Any, source: Path) ->
     if size and len(boxes) > 1:
         ordered = sorted(boxes)
         for i, (off_a, size_a) in enumerate(ordered):
-            for off_b, size_b in ordered[i + 1:]:
+            for j in range(i + 1, len(ordered)):
+                off_b, size_b = ordered[j]
                 if off_b[0] >= off_a[0] + size_a[0]:
                     break
                 if all(ob < oa + sa and oa < ob + sb for oa, sa, ob, sb in zip(off_a, size_a, off_b, size_b)):
@@ -112,7 +113,7 @@ def check_storage(metadata: Any, checkpoint: Path) -> None:
         dtype = getattr(getattr(item, "properties", None), "dtype", None)
         if size is None or not isinstance(dtype, torch.dtype):
             raise _fail(source, f"the entry {fqn!r} has no valid shape and dtype")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         for offsets, sizes in _check_chunks(fqn, size, item.chunks, source):
             info = storage.get(MetadataIndex(fqn, offsets))
             if info is None:

@@ -149,8 +149,10 @@ class MoECheckpointing:
     Args:
         strategy: the strategy whose model, optimizers and ranks are saved and loaded.
         save_distributed_checkpoint: sharded directories (True) or one consolidated file.
-        verify_checkpoints: hash every file at save and verify the digests at load (default).
-            False skips both, for very large checkpoints; completeness and sizes are still checked.
+        verify_checkpoints: hash every file at save and verify the digests at load (default;
+            ``meta.pt`` and ``.metadata`` before they are unpickled). False skips every digest, for
+            very large checkpoints; sizes, completeness, links and paths, and ``.metadata``'s
+            entries against the files and the model are still checked.
     """
 
     def __init__(self, strategy: MoEStrategy, save_distributed_checkpoint: bool = True,

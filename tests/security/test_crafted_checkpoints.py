@@ -216,20 +216,48 @@ def _resume_cases(rank: int, world: int, cases: list[tuple[str, str]]) -> str:
     return "ok"
 
 
+def _bfloat16(ckpt: Path, metadata, key: str) -> str:
+    props = metadata.state_dict_metadata[key].properties
+    metadata.state_dict_metadata[key].properties = dataclasses.replace(props, dtype=torch.bfloat16)
+    return rf"'{re.escape(key)}' is \[.*\] torch\.bfloat16, the model has \[.*\] torch\.float32"
+
+
+def _missing(ckpt: Path, metadata, key: str) -> str:
+    del metadata.state_dict_metadata[key]
+    return rf"has no entry for '{re.escape(key)}'"
+
+
+def _extra(ckpt: Path, metadata, key: str) -> str:
+    """A second model tensor with its own bytes (a copy appended to the shard): one the model lacks."""
+    (index,) = [i for i in metadata.storage_data if i.fqn == key]
+    info = metadata.storage_data[index]
+    shard = ckpt / info.relative_path
+    data = shard.read_bytes()
+    shard.write_bytes(data + data[info.offset: info.offset + info.length])
+    metadata.state_dict_metadata["state_dict.extra"] = metadata.state_dict_metadata[key]
+    metadata.storage_data[dcp_metadata.MetadataIndex("state_dict.extra", index.offset)] = dataclasses.replace(
+        info, offset=len(data))
+    metadata.planner_data["state_dict.extra"] = ("state_dict", "extra")
+    meta = read_meta(ckpt)
+    meta["lightning_moe"]["files"][shard.name] = {"size": shard.stat().st_size,
+                                                 "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    write_meta(ckpt, meta)
+    return r"holds 'state_dict\.extra', which the model does not have"
+
+
+def _uncovered(ckpt: Path, metadata, key: str) -> str:
+    _empty_chunks(metadata, key)
+    return rf"the chunks of '{re.escape(key)}' cover 0"
+
+
 def test_resume_refuses_entries_that_do_not_match_the_model(saved, tmp_path):
-    """Library bug: a tensor without chunks kept its fresh initialisation; a bfloat16 entry loaded as float32."""
+    """Library bug: a tensor without chunks kept its fresh initialisation, a bfloat16 entry loaded as
+    float32, a key the model lacks was ignored; a missing key failed inside DCP naming no file."""
     cases = []
-    for name, edit in (("uncovered", _empty_chunks), ("dtype", None)):
-        ckpt = shutil.copytree(saved, tmp_path / name)
+    for edit in (_uncovered, _bfloat16, _missing, _extra):
+        ckpt = shutil.copytree(saved, tmp_path / edit.__name__)
         metadata = read_metadata(ckpt)
-        key = _largest_tensor(metadata)
-        if edit is not None:
-            edit(metadata, key)
-            pattern = rf"the chunks of '{re.escape(key)}' cover 0"
-        else:
-            props = metadata.state_dict_metadata[key].properties
-            metadata.state_dict_metadata[key].properties = dataclasses.replace(props, dtype=torch.bfloat16)
-            pattern = rf"'{re.escape(key)}' is \[.*\] torch\.bfloat16, the model has \[.*\] torch\.float32"
+        pattern = edit(ckpt, metadata, _largest_tensor(metadata))
         write_metadata(ckpt, metadata)
         cases.append((str(ckpt), pattern))
     before = snapshot(tmp_path)
