@@ -313,3 +313,20 @@ def test_remove_refuses_paths_outside_the_checkpoint_directory(tmp_path):
     assert snapshot(outside) == before and (run / "foreign" / "notes.txt").exists()
     assert checkpointing.remove(run / "epoch=0.ckpt", [run]) is True
     assert sorted(os.listdir(run)) == ["foreign", "link"]
+
+
+def test_restored_callback_paths_without_a_dirpath_are_dropped(tmp_path):
+    """A state that omits ``dirpath`` makes ModelCheckpoint keep its own (and restore every path)."""
+    from lightning_moe.strategies.checkpoint_paths import drop_outside_paths
+
+    run = tmp_path / "run"
+    inside = {"dirpath": str(run), "best_model_path": str(run / "epoch=0.ckpt"), "last_model_path": "",
+              "best_k_models": {str(run / "epoch=0.ckpt"): 0.5}, "kth_best_model_path": str(run / "epoch=0.ckpt")}
+    crafted = {"best_model_path": str(tmp_path / "victim"), "last_model_path": str(run / "last.ckpt"),
+               "best_k_models": {str(tmp_path / "victim"): 0.1}, "kth_best_model_path": ""}
+    meta = {"callbacks": {"ModelCheckpoint{a}": dict(inside), "ModelCheckpoint{b}": crafted}}
+    with pytest.warns(UserWarning, match=r"ckpt: the state of ModelCheckpoint\{b\} names checkpoints outside its folder None"):
+        drop_outside_paths(meta, tmp_path / "ckpt")
+    assert meta["callbacks"]["ModelCheckpoint{a}"] == inside
+    assert meta["callbacks"]["ModelCheckpoint{b}"] == {"best_model_path": "", "last_model_path": "", "best_k_models": {},
+                                                       "kth_best_model_path": ""}
