@@ -13,8 +13,12 @@ DCP's ``.metadata`` (every ``state_dict`` entry's shape and dtype, its nesting f
 planner's recorded paths) and filled by :func:`~lightning_moe.parallel.checkpoint_security.load_sharded`
 in this one process, without a process group: whatever the saving layout, DCP reads every
 shard's piece into the full tensors. Before that, as when resuming, the directory is checked for
-completeness (``meta.pt``, ``.metadata`` of the same save, every shard present and long enough)
-and, unless ``verify=False``, every file against the SHA-256 recorded at save. Nothing in the
+completeness (``meta.pt``, ``.metadata`` of the same save, every shard present and long enough, a
+regular file inside the folder, not a link), ``.metadata``'s entries are checked to cover every
+tensor exactly and ask for no more bytes than the files hold (so nothing uninitialised is written
+and nothing larger than the checkpoint allocated), and, unless ``verify=False``, every file is
+checked against the SHA-256 recorded at save (``meta.pt`` and ``.metadata`` before they are
+unpickled). Nothing in the
 checkpoint runs code: ``meta.pt`` and consolidated files load with ``weights_only=True``, DCP's
 metadata through the allowlist.
 
@@ -142,12 +146,13 @@ def _read_sharded(path: Path, verify: bool) -> tuple[dict[str, Any], dict[str, A
             raise FileNotFoundError(
                 2, f"{path} is not a sharded checkpoint: no {name} (not a checkpoint, or an interrupted save or copy)"
             )
-    meta, metadata = read_sharded_metadata(path)
+    meta, metadata = read_sharded_metadata(path, verify=verify)
     saved = (meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None) or {}
     verified = False
     if verify:
         if has_digests(saved.get("files")):
-            verify_digests(path, saved["files"])
+            # .metadata was verified before it was unpickled (read_sharded_metadata); the shards now.
+            verify_digests(path, {n: r for n, r in saved["files"].items() if n != DCP_METADATA})
             verified = True
         else:
             warnings.warn(

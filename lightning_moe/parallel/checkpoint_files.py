@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_moe.parallel.checkpoint_integrity import META_FILE
+from lightning_moe.parallel.checkpoint_integrity import DCP_METADATA, META_DIGEST_FILE, META_FILE
 
 __all__ = [
     "describe_write_error",
@@ -44,9 +44,11 @@ __all__ = [
     "prepare_partial",
     "probe_writable",
     "rank_failures",
+    "removal_refusal",
     "remove_path",
     "replace",
     "replaced_path",
+    "write_bytes_file",
     "write_torch_file",
 ]
 
@@ -82,6 +84,37 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
     elif path.is_dir():
         shutil.rmtree(path)
+
+
+_WRITTEN = re.compile(rf"{re.escape(META_FILE)}|{re.escape(DCP_METADATA)}|{re.escape(META_DIGEST_FILE)}|__\d+_\d+\.distcp")
+"""Names of the files a sharded save of this package writes (DCP names its shards ``__<rank>_<n>.distcp``)."""
+
+
+def _is_written_folder(folder: Path) -> bool:
+    # Only regular files of the names a save writes: a folder with anything else is not ours.
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return False
+    return all(_WRITTEN.fullmatch(e.name) and e.is_file(follow_symlinks=False) for e in entries)
+
+
+def removal_refusal(path: Path, dirpaths: list[Path] | None) -> str | None:
+    """Why ``path`` must not be deleted as a checkpoint, or None when it may be.
+
+    ``path`` is resolved first (its folder through any links): it must lie directly in one of the
+    resolved ``dirpaths`` (the checkpoint callbacks' folders; None when unknown) and be a link, a
+    file, or a folder holding only the files a sharded save writes. A checkpoint path restored from
+    a crafted ``meta.pt`` (``<dirpath>/../victim``) is refused, not removed.
+    """
+    if path.name in ("", ".", ".."):
+        return f"{path} does not name a checkpoint"
+    target = path.parent.resolve() / path.name
+    if dirpaths is not None and target.parent not in {Path(d).resolve() for d in dirpaths}:
+        return f"{path} is not directly in the checkpoint directory ({', '.join(map(str, dirpaths)) or 'none'})"
+    if target.is_dir() and not target.is_symlink() and not _is_written_folder(target):
+        return f"{path} is a folder that holds files a lightning_moe checkpoint does not write"
+    return None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -122,6 +155,14 @@ def replace(partial: Path, path: Path, save_id: str) -> None:
     _fsync_dir(path.parent)
     for old in ([aside] if aside is not None else []) + leftovers(path):
         remove_path(old)
+
+
+def write_bytes_file(data: bytes, path: Path) -> None:
+    """Write ``data`` to ``path``, flushed and ``fsync``-ed (a full disk raises the ``OSError``)."""
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def write_torch_file(obj: Any, path: Path) -> None:

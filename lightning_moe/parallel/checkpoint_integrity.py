@@ -4,6 +4,14 @@ At save, every rank hashes the shard files it wrote (in parallel) and rank 0 rec
 ``meta.pt``, a save id and per file its size and SHA-256 digest (:func:`record_files`). DCP's
 ``.metadata`` carries the same save id (``StorageMeta.save_id``).
 
+``meta.pt`` itself is recorded in :data:`META_DIGEST_FILE` (size and digest, JSON), so rank 0
+checks it before unpickling it, and checks ``.metadata`` against its record before unpickling that
+(:func:`check_bytes`); both are read once, into memory, and parsed from those bytes.
+
+Every file is named by a plain file name and must be a regular file directly inside the checkpoint
+folder, never a symbolic link (:func:`member`): a crafted record cannot make a load read (or
+report the size and digest of) a file elsewhere.
+
 At load, rank 0 first checks completeness (:func:`check_complete`: ``.metadata`` of this save,
 every shard it names present and long enough, sizes as recorded), which is cheap; then the
 digests are verified with the files spread over all ranks by size (:func:`assign_files`), so
@@ -19,6 +27,9 @@ development machine (AMD EPYC); a 10 GB shard per rank costs ~7-10 s at save and
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +39,19 @@ __all__ = [
     "DCP_METADATA",
     "HASH_NAME",
     "LAYOUT_KEY",
+    "META_DIGEST_FILE",
     "META_FILE",
     "CheckpointIntegrityError",
     "assign_files",
+    "check_bytes",
     "check_complete",
     "file_digest",
     "gather",
     "has_digests",
+    "member",
+    "read_member",
+    "read_meta_digest",
+    "record_bytes",
     "record_files",
     "verify_digests",
 ]
@@ -45,6 +62,8 @@ META_FILE = "meta.pt"
 """Lightning's metadata file of a sharded checkpoint directory (``lightning.fabric.utilities.load``)."""
 LAYOUT_KEY = "lightning_moe"
 """``MoEStrategy``'s entry in ``meta.pt`` (or a consolidated file): saving layout, save id, file records."""
+META_DIGEST_FILE = "meta.pt.json"
+"""Size and SHA-256 of ``meta.pt`` (JSON, written after it), checked before ``meta.pt`` is unpickled."""
 HASH_NAME = "sha256"
 """The ``hashlib`` algorithm, and the key of each file's digest in ``meta.pt``."""
 _CHUNK_BYTES = 8 << 20
@@ -54,12 +73,89 @@ class CheckpointIntegrityError(RuntimeError):
     """A checkpoint file is truncated, unreadable, or not the file its save wrote."""
 
 
+def member(checkpoint: Path, name: Any, source: Path | str) -> Path:
+    """``checkpoint / name`` if ``name`` is a plain file name and that is a regular file, not a link.
+
+    ``source`` (the file that names ``name``) is named in the error. Raises
+    :class:`CheckpointIntegrityError` for absolute paths, ``..``, subfolders and symbolic links
+    (a shard linked to a file elsewhere would be read, and reported as verified);
+    ``FileNotFoundError`` for a missing file.
+    """
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise CheckpointIntegrityError(
+            f"{source} names the file {name!r}, which is not a file name inside the checkpoint {checkpoint}; "
+            "refusing to read outside the checkpoint folder (the checkpoint was crafted or altered)."
+        )
+    path = checkpoint / name
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(2, f"{path} is missing: the checkpoint is incomplete ({source} names it)") from None
+    if stat.S_ISLNK(mode):
+        raise CheckpointIntegrityError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); refusing to read a checkpoint file that may lie "
+            "outside the checkpoint folder. Replace the link with a copy of the file if you trust it."
+        )
+    if not stat.S_ISREG(mode):
+        raise CheckpointIntegrityError(f"{path} is not a regular file; a checkpoint holds regular files only.")
+    return path
+
+
+def read_member(checkpoint: Path, name: str) -> bytes:
+    """The bytes of the checkpoint file ``name`` (see :func:`member`), opened without following links."""
+    path = member(checkpoint, name, checkpoint)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as file:
+        return file.read()
+
+
+def record_bytes(data: bytes, digests: bool) -> dict[str, Any]:
+    """The record of a file holding ``data``: ``{"size": ..., "sha256": ...}`` (no digest if not ``digests``)."""
+    record: dict[str, Any] = {"size": len(data)}
+    if digests:
+        record[HASH_NAME] = hashlib.new(HASH_NAME, data).hexdigest()
+    return record
+
+
+def check_bytes(path: Path, data: bytes, record: dict[str, Any] | None, verify: bool) -> None:
+    """Raise unless ``data`` (the content of ``path``) has the recorded size and, if ``verify``, digest."""
+    if not isinstance(record, dict):
+        return
+    if len(data) != record.get("size"):
+        raise CheckpointIntegrityError(
+            f"{path} is {len(data)} bytes, the save wrote {record.get('size')}: it is truncated or was changed."
+        )
+    expected = record.get(HASH_NAME)
+    if verify and expected is not None:
+        actual = hashlib.new(HASH_NAME, data).hexdigest()
+        if actual != expected:
+            raise CheckpointIntegrityError(
+                f"{path}: SHA-256 {actual[:16]}... differs from the one recorded at save ({str(expected)[:16]}...): "
+                "the file changed after it was saved; refusing to unpickle it. Use another checkpoint."
+            )
+
+
+def read_meta_digest(checkpoint: Path) -> dict[str, Any] | None:
+    """The record of ``meta.pt`` in :data:`META_DIGEST_FILE`, or None (checkpoints of earlier versions)."""
+    if not os.path.lexists(checkpoint / META_DIGEST_FILE):
+        return None
+    data = read_member(checkpoint, META_DIGEST_FILE)
+    try:
+        record = json.loads(data)
+    except ValueError as err:
+        raise CheckpointIntegrityError(f"{checkpoint / META_DIGEST_FILE} cannot be read: {err}") from err
+    if not isinstance(record, dict) or not isinstance(record.get("size"), int):
+        raise CheckpointIntegrityError(f"{checkpoint / META_DIGEST_FILE} does not hold a file record (size, sha256).")
+    return record
+
+
 def file_digest(path: Path) -> str:
-    """Hex SHA-256 of the file ``path`` (8 MiB reads into one buffer)."""
+    """Hex SHA-256 of the file ``path`` (8 MiB reads into one buffer; a symbolic link is not followed)."""
     digest = hashlib.new(HASH_NAME)
     buffer = bytearray(_CHUNK_BYTES)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb", buffering=0) as file:
         while n := file.readinto(buffer):
             digest.update(view[:n])
     return digest.hexdigest()
@@ -100,10 +196,11 @@ def check_complete(checkpoint: Path, metadata: Any, saved: dict[str, Any]) -> No
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     records = saved.get("files")
-    for name in sorted(set(needed) | set(records or {})):
-        path = checkpoint / name
-        if not path.is_file():
-            raise FileNotFoundError(2, f"{path} is missing: the checkpoint is incomplete ({metadata_path} names it)")
+    if records is not None and not isinstance(records, dict):
+        raise CheckpointIntegrityError(f"{checkpoint / META_FILE} holds no file records but a {type(records).__name__}.")
+    for name in sorted(set(needed) | set(records or {}), key=str):
+        source = metadata_path if name in needed else checkpoint / META_FILE
+        path = member(checkpoint, name, source)
         size = path.stat().st_size
         if size < needed.get(name, 0):
             raise CheckpointIntegrityError(
@@ -113,6 +210,8 @@ def check_complete(checkpoint: Path, metadata: Any, saved: dict[str, Any]) -> No
         record = (records or {}).get(name)
         if records is not None and record is None:
             raise CheckpointIntegrityError(f"{path} is named by {metadata_path} but was not written by this save.")
+        if record is not None and (not isinstance(record, dict) or not isinstance(record.get("size"), int)):
+            raise CheckpointIntegrityError(f"{checkpoint / META_FILE} holds no valid record of {path} ({record!r}).")
         if record is not None and size != record["size"]:
             what = "truncated" if size < record["size"] else "longer than saved"
             raise CheckpointIntegrityError(f"{path} is {what}: {size} bytes, the save wrote {record['size']}.")
@@ -147,9 +246,12 @@ def verify_digests(checkpoint: Path, records: dict[str, dict[str, Any]]) -> None
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     problems = []
     for name in assign_files(records, world)[rank]:
-        path = checkpoint / name
         try:
+            path = member(checkpoint, name, checkpoint / META_FILE)
             actual = file_digest(path)
+        except CheckpointIntegrityError as err:
+            problems.append(str(err))
+            continue
         except OSError as err:
             problems.append(f"{path} cannot be read: {err}")
             continue

@@ -6,8 +6,13 @@ The three ways a crafted checkpoint could run code, and what closes each:
   ``(module, name)`` pairs of :data:`_ALLOWED_GLOBALS` (the classes found in the metadata of real
   checkpoints of every layout the tests save, plus torch dtypes/layouts/memory formats by value):
   never a dotted name, never a module prefix, no function that could itself unpickle a file. It
-  lets pickle's BUILD opcode set the state of instances of those classes only, so a file cannot
-  set attributes on a class either.
+  lets pickle's BUILD opcode set the state of instances of those classes only, and never of an
+  enum member (members are shared by the whole process: a BUILD on the memory-format member would
+  break every later save), so a file cannot set attributes on a class or a shared object either.
+  The EXT opcodes (copyreg's extension registry, whose cache bypasses ``find_class``) are refused.
+  In a sharded checkpoint of this package, ``.metadata`` is checked against the size and digest
+  recorded in ``meta.pt`` before it is unpickled, and ``meta.pt`` against its own record
+  (:data:`~lightning_moe.parallel.checkpoint_integrity.META_DIGEST_FILE`).
 * A bytes item (a pickled value inside a shard) is unpickled only for a key whose value in the
   caller's own state dict is not a tensor, and then with ``torch.load(weights_only=True)``
   (:class:`SafeLoadPlanner`; DCP's default planner uses ``weights_only=False``). Our checkpoints
@@ -23,6 +28,7 @@ sharded checkpoint's ``meta.pt`` and ``.metadata`` with :func:`read_sharded_meta
 
 from __future__ import annotations
 
+import enum
 import io
 import pathlib
 import pickle
@@ -40,13 +46,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from lightning_moe.parallel.checkpoint_entries import check_storage
 from lightning_moe.parallel.checkpoint_files import rank_failures
 from lightning_moe.parallel.checkpoint_integrity import (
     DCP_METADATA,
     LAYOUT_KEY,
     META_FILE,
     CheckpointIntegrityError,
+    check_bytes,
     check_complete,
+    read_member,
+    read_meta_digest,
 )
 
 __all__ = [
@@ -56,6 +66,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "load_sharded",
     "load_torch_file",
+    "parse_dcp_metadata",
     "read_dcp_metadata",
     "read_sharded_metadata",
 ]
@@ -131,20 +142,34 @@ class RestrictedUnpickler(pickle._Unpickler):
 
     def _load_build(self) -> None:
         target = self.stack[-2]  # BUILD pops the state and applies it to the object below it
-        if type(target) not in _BUILDABLE:
+        if type(target) not in _BUILDABLE or isinstance(target, enum.Enum):
             raise UnsafeCheckpointError(
-                f"Refusing to set the state of {_describe(target)} from {self.source}: only instances of "
-                "torch.distributed.checkpoint's metadata classes take a state from a checkpoint."
+                f"Refusing to set the state of {_describe(target)} from {self.source}: only new instances of "
+                "torch.distributed.checkpoint's metadata classes take a state from a checkpoint (never an enum "
+                "member, a class or any other object shared by the process)."
             )
         pickle._Unpickler.load_build(self)
 
+    def _load_ext(self) -> None:
+        # copyreg's extension codes resolve globals from a process-wide cache, past find_class.
+        raise UnsafeCheckpointError(
+            f"Refusing the pickle extension-registry opcode (EXT1/EXT2/EXT4) in {self.source}: DCP never writes it."
+        )
+
     dispatch[pickle.BUILD[0]] = _load_build
+    for _opcode in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_opcode[0]] = _load_ext
+    del _opcode
 
 
 def read_dcp_metadata(path: Path | str) -> _dcp_metadata.Metadata:
     """Read DCP's ``.metadata`` file ``path`` with :class:`RestrictedUnpickler`; errors name the file."""
     path = Path(path)
-    data = path.read_bytes()  # FileNotFoundError names the path
+    return parse_dcp_metadata(path.read_bytes(), path)  # FileNotFoundError names the path
+
+
+def parse_dcp_metadata(data: bytes, path: Path | str) -> _dcp_metadata.Metadata:
+    """DCP's metadata from the bytes ``data`` of the file ``path`` (named in errors), with the allowlist."""
     try:
         metadata = RestrictedUnpickler(io.BytesIO(data), str(path)).load()
     except UnsafeCheckpointError:
@@ -297,17 +322,18 @@ def load_sharded(
         raise RuntimeError(f"Loading the checkpoint {path} failed: {type(failure).__name__}: {failure}") from err
 
 
-def load_torch_file(path: Path | str, weights_only: bool = True) -> Any:
+def load_torch_file(path: Path | str, weights_only: bool = True, data: bytes | None = None) -> Any:
     """``torch.load(path)`` on the CPU; errors name the file.
 
     ``weights_only=True`` (the default) admits tensors and plain containers only and raises
-    :class:`UnsafeCheckpointError` otherwise; pass False only for files you trust.
+    :class:`UnsafeCheckpointError` otherwise; pass False only for files you trust. ``data``: the
+    file's bytes, already read (and checked), parsed instead of reading the file again.
     """
     path = Path(path)
-    if not path.is_file():
+    if data is None and not path.is_file():
         raise FileNotFoundError(2, f"{path} does not exist or is not a file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
         if not weights_only:
             raise CheckpointIntegrityError(f"{path} cannot be read ({type(err).__name__}: {err}).") from err
@@ -321,15 +347,34 @@ def load_torch_file(path: Path | str, weights_only: bool = True) -> Any:
         ) from err
 
 
-def read_sharded_metadata(path: Path, weights_only: bool = True) -> tuple[Any, _dcp_metadata.Metadata]:
-    """``(meta.pt, .metadata)`` of the sharded checkpoint directory ``path``, checked for completeness.
+def read_sharded_metadata(
+    path: Path, weights_only: bool = True, verify: bool = True
+) -> tuple[Any, _dcp_metadata.Metadata]:
+    """``(meta.pt, .metadata)`` of the sharded checkpoint directory ``path``, checked before use.
 
-    ``meta.pt`` loads with :func:`load_torch_file` (``weights_only`` unless the caller trusts the
-    file), ``.metadata`` with :func:`read_dcp_metadata`; then
+    Each file is read once into memory, checked, then parsed from those bytes: ``meta.pt`` against
+    :data:`~lightning_moe.parallel.checkpoint_integrity.META_DIGEST_FILE`
+    (size, and digest if ``verify``), then loaded with
+    :func:`load_torch_file` (``weights_only`` unless the caller trusts the file); ``.metadata``
+    against its record in ``meta.pt``, then unpickled with the allowlist. Then
     :func:`~lightning_moe.parallel.checkpoint_integrity.check_complete` raises naming the first
-    missing, truncated or foreign file. Both files must exist (callers say which is missing).
+    missing, truncated, foreign or linked file, and
+    :func:`~lightning_moe.parallel.checkpoint_entries.check_storage` for entries that do not cover
+    their tensors or ask for more bytes than the files hold. Both files must exist (callers say
+    which is missing).
     """
-    meta = load_torch_file(path / META_FILE, weights_only)
-    metadata = read_dcp_metadata(path / DCP_METADATA)
-    check_complete(path, metadata, (meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None) or {})
+    meta_bytes = read_member(path, META_FILE)
+    check_bytes(path / META_FILE, meta_bytes, read_meta_digest(path), verify)
+    meta = load_torch_file(path / META_FILE, weights_only, data=meta_bytes)
+    saved = (meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None) or {}
+    if not isinstance(saved, dict):
+        raise CheckpointIntegrityError(f"{path / META_FILE}: its {LAYOUT_KEY!r} entry is not a dict.")
+    metadata_bytes = read_member(path, DCP_METADATA)
+    records = saved.get("files")
+    check_bytes(path / DCP_METADATA, metadata_bytes, records.get(DCP_METADATA) if isinstance(records, dict) else None,
+                verify)
+    metadata = parse_dcp_metadata(metadata_bytes, path / DCP_METADATA)
+    check_complete(path, metadata, saved)
+    check_storage(metadata, path)
     return meta, metadata
+

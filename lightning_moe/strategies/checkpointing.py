@@ -8,17 +8,25 @@ Sharded (default): a directory in Lightning's sharded layout, so ``ModelCheckpoi
   (per-parameter state keyed by parameter name);
 * ``meta.pt`` (rank 0): everything else Lightning saves (loops, callbacks, hyperparameters), and
   under ``"lightning_moe"`` the optimizers' param groups, the saving layout, the save id and the
-  size and SHA-256 of every file of the save (:mod:`lightning_moe.parallel.checkpoint_integrity`).
+  size and SHA-256 of every file of the save (:mod:`lightning_moe.parallel.checkpoint_integrity`);
+* ``meta.pt.json`` (rank 0): the size and SHA-256 of ``meta.pt`` itself.
 
 Saves are atomic (:mod:`lightning_moe.parallel.checkpoint_files`): each is written into a hidden
 sibling folder and renamed into place by rank 0 once every rank finished, so a crash leaves the
 previous complete checkpoint (or the new complete one), never a mix, and a reused name keeps no
 shards of an earlier layout.
 
-Loading checks completeness first (``meta.pt``, ``.metadata`` of the same save, every shard it
-names, sizes), then the digests (unless ``verify_checkpoints=False``), every error naming the file
-and raised on every rank; then it builds the templates at the *current* layout and lets DCP fill
-them, so a checkpoint written at one expert-parallel size resumes at another. ``meta.pt`` is read
+Loading checks, on rank 0, ``meta.pt`` and then ``.metadata`` against their records before
+unpickling either, completeness (``.metadata`` of the same save, every shard it names, sizes; every
+file a regular file inside the folder, no links) and that ``.metadata``'s entries cover their
+tensors and ask for no more bytes than the files hold; then every rank its share of the shards'
+digests (unless ``verify_checkpoints=False``, which skips every digest but no other check), and
+that the entries hold the model's and optimizer's keys with their global shapes and dtypes; every
+error names the file and is raised on every rank. Then it builds the templates at the *current*
+layout and lets DCP fill them, so a checkpoint written at one expert-parallel size resumes at
+another. Path entries of the restored ``ModelCheckpoint`` states that point outside their folder
+are dropped, and :meth:`MoECheckpointing.remove` deletes nothing outside the callbacks' folders
+(:mod:`lightning_moe.strategies.checkpoint_paths`). ``meta.pt`` is read
 with ``weights_only=True`` and DCP's files through
 :func:`~lightning_moe.parallel.checkpoint.load_sharded`: nothing in a checkpoint can run code.
 
@@ -29,12 +37,15 @@ atomically too.
 
 from __future__ import annotations
 
+import io
+import json
 import pickle
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -51,6 +62,7 @@ from lightning_moe.parallel.checkpoint import (
     optimizer_param_groups,
     optimizer_state_dict,
 )
+from lightning_moe.parallel.checkpoint_entries import check_entries, expected_entries
 from lightning_moe.parallel.checkpoint_files import (
     describe_write_error,
     find_os_error,
@@ -58,21 +70,28 @@ from lightning_moe.parallel.checkpoint_files import (
     leftovers,
     prepare_partial,
     probe_writable,
+    removal_refusal,
     remove_path,
     replace,
+    write_bytes_file,
     write_torch_file,
 )
 from lightning_moe.parallel.checkpoint_integrity import (
     DCP_METADATA,
     LAYOUT_KEY,
+    META_DIGEST_FILE,
     META_FILE,
+    CheckpointIntegrityError,
     gather,
     has_digests,
+    read_meta_digest,
+    record_bytes,
     record_files,
     verify_digests,
 )
 from lightning_moe.parallel.checkpoint_security import load_torch_file, read_sharded_metadata
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
+from lightning_moe.strategies.checkpoint_paths import checkpoint_dirpaths, drop_outside_paths
 
 if TYPE_CHECKING:
     from lightning_moe.strategies.moe_strategy import MoEStrategy
@@ -130,8 +149,10 @@ class MoECheckpointing:
     Args:
         strategy: the strategy whose model, optimizers and ranks are saved and loaded.
         save_distributed_checkpoint: sharded directories (True) or one consolidated file.
-        verify_checkpoints: hash every file at save and verify the digests at load (default).
-            False skips both, for very large checkpoints; completeness and sizes are still checked.
+        verify_checkpoints: hash every file at save and verify the digests at load (default;
+            ``meta.pt`` and ``.metadata`` before they are unpickled). False skips every digest, for
+            very large checkpoints; sizes, completeness, links and paths, and ``.metadata``'s
+            entries against the files and the model are still checked.
     """
 
     def __init__(self, strategy: MoEStrategy, save_distributed_checkpoint: bool = True,
@@ -217,7 +238,12 @@ class MoECheckpointing:
             checkpoint[LAYOUT_KEY] = {
                 "layout": self._layout(), "optimizer_param_groups": param_groups, "save_id": save_id, "files": files,
             }
-            self._guard_write(path, lambda: write_torch_file(checkpoint, partial / META_FILE))
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            data = buffer.getvalue()
+            self._guard_write(path, lambda: write_bytes_file(data, partial / META_FILE))
+            record = json.dumps(record_bytes(data, self.verify)).encode()
+            self._guard_write(path, lambda: write_bytes_file(record, partial / META_DIGEST_FILE))
             self._guard_write(path, lambda: replace(partial, path, save_id))
 
         self._on_rank_zero(publish)
@@ -248,11 +274,24 @@ class MoECheckpointing:
 
         self._on_rank_zero(write)
 
-    def remove(self, path: Path) -> None:
+    def remove(self, path: Path, dirpaths: list[Path] | None = None) -> bool:
         """Delete the checkpoint ``path`` and what interrupted saves of it left; on rank 0 only,
-        like Lightning's ``Strategy.remove_checkpoint``."""
-        for victim in [path, *leftovers(path)]:
+        like Lightning's ``Strategy.remove_checkpoint``. Returns whether it did.
+
+        ``dirpaths``: the checkpoint callbacks' folders (by default those of the strategy's
+        trainer). A path outside them, or a folder holding files a save does not write, is left
+        in place with a warning (see :func:`~lightning_moe.parallel.checkpoint_files.removal_refusal`).
+        """
+        if dirpaths is None and self.strategy is not None:
+            dirpaths = checkpoint_dirpaths(self.strategy)
+        refusal = removal_refusal(path, dirpaths)
+        if refusal is not None:
+            rank_zero_warn(f"Not removing the checkpoint {path}: {refusal}. Delete it yourself if it is one.")
+            return False
+        target = path.parent.resolve() / path.name
+        for victim in [target, *leftovers(target)]:
             remove_path(victim)
+        return True
 
     def check_writable(self, dirpath: str | Path) -> None:
         """Raise on every rank, naming ``dirpath`` and the OS error, unless rank 0 can create (if
@@ -286,7 +325,11 @@ class MoECheckpointing:
                     2, f"{path} is not a complete sharded lightning_moe checkpoint: no {name} (an interrupted "
                     "save or copy, or not a checkpoint)",
                 )
-        return read_sharded_metadata(path, weights_only)
+        meta, metadata = read_sharded_metadata(path, weights_only, self.verify)
+        saved = (meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None) or {}
+        if self.verify and has_digests(saved.get("files")) and read_meta_digest(path) is None:
+            rank_zero_warn(f"{path} has no checksum of {META_FILE} (written by an earlier lightning_moe).")
+        return meta, metadata
 
     def load(self, path: Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load ``path`` into the live model and optimizers; return Lightning's remaining metadata.
@@ -308,17 +351,21 @@ class MoECheckpointing:
                     "starts from a fresh state. Resume from a sharded checkpoint to keep it."
                 )
             return checkpoint
-        checked: dict[str, Any] = {"meta": None, "metadata": None}  # rank 0 reuses what it read
+        checked: dict[str, Any] = {"meta": None}  # rank 0 reuses what it read
 
-        def check() -> None:
-            checked["meta"], checked["metadata"] = self._check_sharded(path, safe)
+        def check() -> Any:
+            checked["meta"], metadata = self._check_sharded(path, safe)
+            return metadata
 
-        self._on_rank_zero(check)
+        # Every rank uses rank 0's checked metadata: none unpickles .metadata unchecked.
+        metadata = self._on_rank_zero(check)
         meta = checked["meta"] if checked["meta"] is not None else load_torch_file(path / META_FILE, safe)
         saved = meta.pop(LAYOUT_KEY, {})
+        drop_outside_paths(meta, path)
         if self.verify:
             if has_digests(saved.get("files")):
-                verify_digests(path, saved["files"])  # every rank its share, raised on every rank
+                # .metadata was verified before it was unpickled; every rank hashes its share of the rest.
+                verify_digests(path, {n: r for n, r in saved["files"].items() if n != DCP_METADATA})
             else:
                 rank_zero_warn(
                     f"{path} has no checksums (written by an earlier lightning_moe, or with "
@@ -330,7 +377,16 @@ class MoECheckpointing:
         for i, optimizer in enumerate(optimizers):
             init_optimizer_state(optimizer)
             templates[f"optimizer_{i}"] = optimizer_state_dict(model, optimizer, self._converter)
-        load_sharded(templates, path, metadata=checked["metadata"])
+        whole_model = strict and self.strategy.parallel_context.dims.pp == 1  # under PP a rank holds its stages
+        try:
+            check_entries(metadata, expected_entries(templates), path, "state_dict." if whole_model else None)
+            problem = None
+        except CheckpointIntegrityError as err:
+            problem = str(err)
+        problems = [p for p in gather(problem) if p]  # under PP the ranks' keys differ: raise on all alike
+        if problems:
+            raise CheckpointIntegrityError(problems[0])
+        load_sharded(templates, path, metadata=metadata)
         model.load_state_dict(templates["state_dict"], strict=strict)
         saved_groups = saved.get("optimizer_param_groups") or []
         for i, optimizer in enumerate(optimizers):

@@ -173,7 +173,7 @@ def test_no_stale_shards_of_an_earlier_layout_survive(tmp_path):
         metadata = pickle.load(file)  # written by this test: trusted
     named = {info.relative_path for info in metadata.storage_data.values()}
     assert named == {"__0_0.distcp", "__1_0.distcp"}
-    assert sorted(os.listdir(ckpt_dir / LAST)) == sorted({".metadata", "meta.pt", *named})
+    assert sorted(os.listdir(ckpt_dir / LAST)) == sorted({".metadata", "meta.pt", "meta.pt.json", *named})
     assert sorted(os.listdir(ckpt_dir)) == ["epoch=0.ckpt", LAST]
     assert run_distributed(_resume_from_last, 2, str(ckpt_dir), tmp_dir=tmp_path) == [STEPS_PER_EPOCH] * 2
 

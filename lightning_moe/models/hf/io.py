@@ -4,6 +4,11 @@ The layout ``transformers`` reads and writes: one ``model.safetensors``, or shar
 ``model-00001-of-0000N.safetensors`` listed by ``model.safetensors.index.json``
 (``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file}}``). safetensors is
 an optional dependency (the ``hf`` extra), imported when a file is read or written.
+
+Model folders come from others, so the index is not trusted to name files: every shard it lists
+must be a plain file name in the folder (no ``..``, no absolute path, no subfolder), and a
+symbolic link only resolves into the folder or, in a ``huggingface_hub`` cache
+(``<repo>/snapshots/<revision>/``), into that repository's ``blobs/`` (:func:`weight_file`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = [
     "SafetensorsReader",
     "parse_size",
     "read_config",
+    "weight_file",
     "write_config",
     "write_safetensors",
 ]
@@ -83,6 +89,26 @@ def write_config(config: Mapping[str, Any], path: str | os.PathLike) -> None:
         handle.write("\n")
 
 
+def weight_file(folder: Path, name: object, key: str) -> Path:
+    """The weight file ``name`` that the index of ``folder`` lists for the tensor ``key`` (``""``: the
+    single weights file), checked.
+
+    Raises ``ValueError`` naming the index, the tensor and the file when ``name`` is not a plain
+    file name, or is a link that resolves outside the folder (and outside its hub cache's blobs).
+    """
+    where = f"{folder / INDEX_NAME} maps {key} to {name!r}" if key else f"{folder / str(name)} is named"
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{where}, which is not a file name in {folder}; refusing to read weights outside the model folder.")
+    path = folder / name
+    if path.is_symlink():
+        root = folder.resolve()
+        target = path.resolve()
+        allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+        if not any(target.parent == place or place in target.parents for place in allowed):
+            raise ValueError(f"{where}, a symbolic link to {target} outside the model folder; refusing to read it.")
+    return path
+
+
 class SafetensorsReader:
     """The tensors of a model directory by name, read lazily from one file or from indexed shards.
 
@@ -97,7 +123,13 @@ class SafetensorsReader:
         if index.is_file():
             with open(index, encoding="utf-8") as handle:
                 self.weight_map: dict[str, str] = dict(json.load(handle)["weight_map"])
+            checked: set[str] = set()
+            for key, name in self.weight_map.items():
+                if not isinstance(name, str) or name not in checked:  # each file once: lstat per shard, not per tensor
+                    weight_file(self.path, name, key)
+                    checked.add(name)
         elif single.is_file():
+            weight_file(self.path, WEIGHTS_NAME, "")
             with self._safetensors.safe_open(single, framework="pt") as handle:
                 self.weight_map = dict.fromkeys(handle.keys(), WEIGHTS_NAME)
         else:
@@ -137,6 +169,7 @@ class SafetensorsReader:
             )
         file = self.weight_map[key]
         if file not in self._handles:
+            weight_file(self.path, file, key)
             if not (self.path / file).is_file():
                 raise FileNotFoundError(
                     f"{self.path / file}, listed in {INDEX_NAME} for {key}, does not exist."
