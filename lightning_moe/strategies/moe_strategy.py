@@ -37,7 +37,6 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -56,6 +55,7 @@ from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.collectives import WorldCollectives
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
+from lightning_moe.strategies.launcher import MoESubprocessLauncher
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
 from lightning_moe.strategies.options import check_strategy_options
@@ -234,7 +234,8 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         ):
             self.cluster_environment = ExistingProcessGroupEnvironment(self.num_processes or None)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            # Lightning's launcher, plus: a failed job ends every rank it started and names the first failure
+            self._launcher = MoESubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         """Ranks from the cluster environment; validates the folded layout against the world size."""
