@@ -187,7 +187,7 @@ class MoESubprocessLauncher(_SubprocessScriptLauncher):
             while any(proc.poll() is None for _, proc in alive) and time.monotonic() < deadline:
                 time.sleep(0.05)
             killed = [rank for rank, proc in alive if proc.poll() is None]
-            for rank, proc in alive:
+            for _, proc in alive:
                 if proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
                         proc.kill()
