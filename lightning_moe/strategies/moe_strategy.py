@@ -67,6 +67,7 @@ from lightning_moe.strategies.trainer_callbacks import add_expert_bias_updater, 
 __all__ = ["MoEStrategy"]
 
 
+_STARTUP_TIMEOUT = timedelta(minutes=30)
 _LIGHTNING_MESH_NAMES = ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
 
 
@@ -96,6 +97,9 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: timeout of every collective, on the default group and every subgroup: a rank that
             stops answering ends the job with an error after this long.
+        startup_timeout: how long the ranks wait for each other to join the process group at start-up
+            (each still importing, loading data or compiling at its own pace); separate from ``timeout``,
+            so a short collective timeout does not fail slow starts. None: ``timeout``.
         on_nonfinite_grads: ``"raise"`` (default): a step whose reduced gradients hold inf/NaN raises
             :class:`~lightning_moe.strategies.optimizer_step.NonFiniteGradientsError` before the
             optimizer step; ``"skip"``: the step is skipped and counted in ``moe/skipped_steps``.
@@ -124,6 +128,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         start_method: str = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        startup_timeout: timedelta | None = _STARTUP_TIMEOUT,
         on_nonfinite_grads: str = "raise",
         pipeline_schedule: str = "1F1B", num_microbatches: int | None = None,
         virtual_stages: int | None = None, pipeline_layer_split: list[int] | None = None,
@@ -150,6 +155,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         self.sharding_strategy = check_sharding_strategy(sharding_strategy)
         self.bucket_size_mb = bucket_size_mb
         self._process_group_backend, self._timeout = process_group_backend, timeout
+        self._startup_timeout = startup_timeout if startup_timeout is not None else timeout
         self._context: ParallelContext | None = None
         self._device_mesh: DeviceMesh | None = None
         self._grad_sync: GradSync | ShardedGradSync | None = None
@@ -261,10 +267,13 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
                 warnings.filterwarnings("ignore", category=category)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs: dict[str, Any] = {"timeout": self._startup_timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        if not dist.is_initialized():
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
+            if self._timeout is not None:  # the rendezvous had the start-up timeout; collectives get timeout
+                dist.distributed_c10d._set_pg_timeout(self._timeout)
         if self._context is None:
             dims = self.parallel_dims(dist.get_world_size())
             self._context = build_parallel_context(dims, self.root_device.type, timeout=self._timeout)
