@@ -32,10 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -54,8 +51,9 @@ from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.collectives import WorldCollectives
-from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
+from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment, connect
 from lightning_moe.strategies.launcher import MoESubprocessLauncher
+from lightning_moe.strategies.load_errors import describe_allocation_failure
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
 from lightning_moe.strategies.options import check_strategy_options
@@ -97,9 +95,8 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: timeout of every collective, on the default group and every subgroup: a rank that
             stops answering ends the job with an error after this long.
-        startup_timeout: how long the ranks wait for each other to join the process group at start-up
-            (each still importing, loading data or compiling at its own pace); separate from ``timeout``,
-            so a short collective timeout does not fail slow starts. None: ``timeout``.
+        startup_timeout: how long the ranks wait for each other to join the process group at start-up (each
+            imports and loads at its own pace): a short ``timeout`` does not fail slow starts. None: ``timeout``.
         on_nonfinite_grads: ``"raise"`` (default): a step whose reduced gradients hold inf/NaN raises
             :class:`~lightning_moe.strategies.optimizer_step.NonFiniteGradientsError` before the
             optimizer step; ``"skip"``: the step is skipped and counted in ``moe/skipped_steps``.
@@ -240,7 +237,6 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         ):
             self.cluster_environment = ExistingProcessGroupEnvironment(self.num_processes or None)
         if not self.cluster_environment.creates_processes_externally:
-            # Lightning's launcher, plus: a failed job ends every rank it started and names the first failure
             self._launcher = MoESubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
@@ -267,13 +263,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
                 warnings.filterwarnings("ignore", category=category)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._startup_timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        if not dist.is_initialized():
-            _init_dist_connection(self.cluster_environment, backend, **kwargs)
-            if self._timeout is not None:  # the rendezvous had the start-up timeout; collectives get timeout
-                dist.distributed_c10d._set_pg_timeout(self._timeout)
+        connect(self.cluster_environment, backend, self.root_device, self._startup_timeout, self._timeout)
         if self._context is None:
             dims = self.parallel_dims(dist.get_world_size())
             self._context = build_parallel_context(dims, self.root_device.type, timeout=self._timeout)
@@ -468,7 +458,13 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         ``weights_only`` (Lightning's flag) governs the pickled metadata: None or True allows only
         plain containers and tensors; False, for checkpoints you trust, allows any object.
         """
-        return self.checkpointing.load(Path(self.broadcast(str(checkpoint_path))), weights_only=weights_only)
+        path = Path(self.broadcast(str(checkpoint_path)))
+        try:
+            return self.checkpointing.load(path, weights_only=weights_only)
+        except (MemoryError, RuntimeError) as err:  # the allocator's message names no file
+            if (described := describe_allocation_failure(path, err)) is None:
+                raise
+            raise described from err
 
     def remove_checkpoint(self, filepath) -> None:
         """Delete a checkpoint and what interrupted saves of it left (rank 0)."""

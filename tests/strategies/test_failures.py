@@ -218,3 +218,17 @@ def test_a_slow_start_is_not_limited_by_the_collective_timeout(tmp_path):
         port = probe.getsockname()[1]
     timeouts = run_distributed(_fit_after_a_slow_start, 2, port, 1.0, timeout_s=120, tmp_dir=tmp_path)
     assert timeouts == [1.0, 1.0]  # collectives keep the strategy's timeout
+
+
+def test_an_allocation_that_fails_while_loading_names_the_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint whose sizes ask for more memory than there is (a damaged or crafted one) names its path."""
+    strategy, where = MoEStrategy(), tmp_path / "epoch=0.ckpt"
+    allocator = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to allocate 85899345920 bytes."
+
+    def load(path, weights_only=None):
+        raise RuntimeError(allocator)
+
+    monkeypatch.setattr(strategy.checkpointing, "load", load)
+    with pytest.raises(MemoryError, match=rf"Loading the checkpoint {where} needs more memory than this rank can "
+                                          r"allocate \(RuntimeError: .*85899345920 bytes"):
+        strategy.load_checkpoint(where)
