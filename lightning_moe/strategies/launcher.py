@@ -11,11 +11,12 @@ process) stays forever, holding its GPU. :class:`MoESubprocessLauncher` keeps th
   1)"). When rank 0 raises, the children get ``settle_s`` to show that one of them failed before
   (rank 0's error is then usually its consequence, e.g. a closed connection): they cannot have
   seen rank 0's error yet, rank 0 is still alive and connected;
-* then every rank it started that still runs is ended: SIGTERM (with SIGCONT, so that a stopped
-  rank receives it), SIGKILL after ``grace_s``; the message names the ranks that were stopped and
-  those that had to be killed. On a rank-0 failure its gloo connections are closed first (the store
-  stays up), so that the ranks waiting on it fail at once and report their own error (e.g. which
-  pipeline stage failed, :mod:`lightning_moe.parallel.stage_failure`) instead of dying silently;
+* then every rank it started that still runs is ended (:mod:`lightning_moe.strategies.reaper`):
+  SIGTERM (with SIGCONT, so that a stopped rank receives it), SIGKILL after ``grace_s``; the
+  message names the ranks that were stopped and those that had to be killed. When rank 0 failed,
+  a small reaper process does that once rank 0 has exited: a rank waiting on rank 0 only sees the
+  failure when rank 0's connections close, and then reports its own error (e.g. which pipeline
+  stage it lost, :mod:`lightning_moe.parallel.stage_failure`) instead of being killed silently;
 * when a child failed and rank 0 does not stop by itself within ``grace_s`` after the others were
   ended (it may wait in a collective that never completes), rank 0 exits with status 1.
 
@@ -25,19 +26,20 @@ nothing then: that launcher owns the processes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_moe.strategies.reaper import end_ranks
 
 __all__ = ["MoESubprocessLauncher", "describe_exit"]
 
@@ -57,15 +59,6 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _is_stopped(pid: int) -> bool:
-    # Linux: the state letter after the command in /proc/<pid>/stat; "T" = stopped by a signal.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
 def _is_sigterm_stop(err: BaseException) -> bool:
     if isinstance(err, SIGTERMException):
         return True
@@ -74,18 +67,6 @@ def _is_sigterm_stop(err: BaseException) -> bool:
 
 def _say(message: str) -> None:
     print(f"{_PREFIX} {message}", file=sys.stderr, flush=True)
-
-
-def _close_connections(timeout_s: float) -> None:
-    """Close this process's gloo connections (keep the store: peers may read from it); bounded
-    in time, since a destroy could wait on work that its peers never complete."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
-        return  # NCCL's teardown can hang while peers wait in a kernel: SIGTERM/SIGKILL end them
-    store = dist.distributed_c10d._get_default_store()  # rank 0 serves the TCPStore: keep it alive
-    worker = threading.Thread(target=dist.destroy_process_group, daemon=True, name="lightning_moe-close-pg")
-    worker.start()
-    worker.join(timeout_s)
-    _close_connections.kept_store = store  # type: ignore[attr-defined]
 
 
 class MoESubprocessLauncher(_SubprocessScriptLauncher):
@@ -170,30 +151,35 @@ class MoESubprocessLauncher(_SubprocessScriptLauncher):
             if failed is not None:
                 self._claim(*failed)
             elif self._claim(0, f"{type(err).__name__}: {err}".splitlines()[0][:300]):
-                _close_connections(self.grace_s)
+                self._end_children_after_exit()
+                return
         self._end_children()
+
+    def _ranks(self) -> list[tuple[int, int]]:
+        return [(rank, proc.pid) for rank, proc in enumerate(self.procs, start=1) if proc.poll() is None]
+
+    def _end_children_after_exit(self) -> None:
+        """Rank 0 failed: a reaper ends the children once this process has exited (see the module docstring)."""
+        with self._lock:
+            self._ended.set()  # the watcher must not end them first
+        ranks = self._ranks()
+        if not ranks:
+            return
+        reaper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+        args = [str(os.getpid()), f"{self.grace_s:g}", *(f"{rank}:{pid}" for rank, pid in ranks)]
+        try:
+            subprocess.Popen([sys.executable, reaper, *args], stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError:  # no reaper: end them now
+            self._ended.clear()
+            self._end_children()
 
     def _end_children(self) -> None:
         with self._lock:
             if self._ended.is_set():
                 return
-            alive = [(rank, proc) for rank, proc in enumerate(self.procs, start=1) if proc.poll() is None]
-            stopped = [rank for rank, proc in alive if _is_stopped(proc.pid)]
-            for _, proc in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                    proc.send_signal(signal.SIGCONT)  # a stopped rank acts on SIGTERM only once continued
-            deadline = time.monotonic() + self.grace_s
-            while any(proc.poll() is None for _, proc in alive) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            killed = [rank for rank, proc in alive if proc.poll() is None]
-            for _, proc in alive:
-                if proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    proc.wait()
+            line = end_ranks(self._ranks(), self.grace_s)
+            for proc in self.procs:
+                proc.poll()  # reap the ended ones
             self._ended.set()
-        if alive:
-            notes = [f"rank {r} (pid {p.pid}{', was stopped' if r in stopped else ''}"
-                     f"{f', SIGKILL after {self.grace_s:g} s' if r in killed else ''})" for r, p in alive]
-            _say("ended " + ", ".join(notes) + ".")
+        if line is not None:
+            _say(line)
