@@ -44,7 +44,7 @@ def _store():
 
 def _summary(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0][:500] if lines else ''}".rstrip(": ")
+    return type(err).__name__ + (f": {lines[0][:500]}" if lines else "")
 
 
 def looks_like_transport_error(err: BaseException) -> bool:
@@ -97,7 +97,8 @@ def describe_peer_failure(err: BaseException, stages: list[int], rank: int, peer
         return PipelineStageError(f"{line}; {here} stopped because of it ({_summary(err)})")
     if transport:
         return PipelineStageError(
-            f"{here} lost its exchange with the other pipeline stages ({_summary(err)}), and none of them "
-            f"reported an error: one of ranks {peers} stopped, was killed or ran out of memory; see its log."
+            f"{here} lost an exchange with another rank ({_summary(err)}), and no other pipeline stage (ranks "
+            f"{peers}) reported an error: a rank it exchanges with stopped, was killed or ran out of memory; "
+            "see the log of the rank that failed first."
         )
     return None

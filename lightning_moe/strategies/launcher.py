@@ -59,6 +59,11 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def _summary(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return type(err).__name__ + (f": {lines[0][:300]}" if lines else "")
+
+
 def _is_sigterm_stop(err: BaseException) -> bool:
     if isinstance(err, SIGTERMException):
         return True
@@ -150,7 +155,7 @@ class MoESubprocessLauncher(_SubprocessScriptLauncher):
                 time.sleep(min(self.poll_s, 0.05))
             if failed is not None:
                 self._claim(*failed)
-            elif self._claim(0, f"{type(err).__name__}: {err}".splitlines()[0][:300]):
+            elif self._claim(0, _summary(err)):
                 self._end_children_after_exit()
                 return
         self._end_children()

@@ -62,3 +62,16 @@ def test_pipeline_errors_name_the_batch_and_the_failing_stage(tmp_path):
     assert last["stage"] == "ValueError: loss broke on purpose", last["stage"]
     assert first["stage"].startswith("PipelineStageError: pipeline stage 1 (rank 1) failed: ValueError: loss broke "
                                      "on purpose"), first["stage"]
+
+
+def test_a_lost_exchange_without_a_report_names_the_pipeline_peers():
+    """A peer killed without a word (no store line): the rank says its exchange broke and whom to look at."""
+    from lightning_moe.parallel.stage_failure import PipelineStageError, describe_peer_failure
+
+    lost = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:3508")
+    error = describe_peer_failure(lost, stages=[1], rank=1, peers=[0], wait_s=0.0)
+    with pytest.raises(PipelineStageError, match=r"this rank \(pipeline stage 1, rank 1\) lost an exchange with another "
+                                                 r"rank \(RuntimeError: .*Connection closed by peer.*\), and no other "
+                                                 r"pipeline stage \(ranks \[0\]\) reported an error"):
+        raise error
+    assert describe_peer_failure(ValueError("my own loss"), stages=[1], rank=1, peers=[0]) is None
