@@ -43,7 +43,10 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
   share of the whole-sequence mean, as the CP training loss does
   (:func:`~lightning_moe.parallel.context_parallel_apply.cp_token_mean`: its gradients, reduced
   over DP x CP, are the whole sequence's); the runner averages the shares over ``cp`` after the
-  broadcast, so every rank returns the whole-sequence means.
+  broadcast, so every rank returns the whole-sequence means;
+* when a stage raises, its rank tells the others, which raise
+  :class:`~lightning_moe.parallel.stage_failure.PipelineStageError` naming that stage and its
+  error instead of their transport's "Connection closed by peer" (:mod:`~lightning_moe.parallel.stage_failure`).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ from lightning_moe.parallel.pipeline_split import (
     trim_to_stages,
 )
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
+from lightning_moe.parallel.stage_failure import describe_peer_failure, publish_failure
 
 __all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options"]
 
@@ -302,6 +306,12 @@ class PipelineRunner:
 
     def _check(self, inputs: Tensor) -> None:
         batch = inputs.shape[0]
+        if batch == 0:  # it would split into empty micro-batches that the schedule cannot send
+            raise ValueError(
+                f"An empty batch (0 samples) reached the pipeline schedule (inputs of shape {tuple(inputs.shape)}): "
+                f"every batch needs a multiple of num_microbatches={self.num_microbatches} samples, at least one "
+                "per micro-batch; check what the data loader or its collate function returns."
+            )
         if batch % self.num_microbatches:
             raise ValueError(
                 f"A batch of {batch} samples does not split into num_microbatches={self.num_microbatches} equal "
@@ -311,7 +321,19 @@ class PipelineRunner:
     def _run(self, inputs: Tensor, targets: Tensor, train: bool) -> Tensor:
         """Run the schedule on one batch; the fp32 losses, the same on every rank: training their mean,
         evaluation the ``[M]`` micro-batch losses."""
-        self._check(inputs)
+        self._check(inputs)  # raised on every rank alike: no other stage needs telling
+        try:
+            return self._run_schedule(inputs, targets, train)
+        except Exception as err:
+            me = dist.get_rank()
+            peers = [r for r in dist.get_process_group_ranks(self.group) if r != me]
+            caused = describe_peer_failure(err, self.stage_ids, me, peers)
+            if caused is not None:
+                raise caused from err
+            publish_failure(err, self.stage_ids, me)
+            raise
+
+    def _run_schedule(self, inputs: Tensor, targets: Tensor, train: bool) -> Tensor:
         schedule = self._schedule(inputs, train)
         args = (inputs,) if self.has_first else ()
         target = targets if self.has_last else None

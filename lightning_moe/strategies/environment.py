@@ -1,4 +1,5 @@
-"""A cluster environment for processes whose ``torch.distributed`` default group already exists.
+"""Joining the default process group (:func:`connect`), and a cluster environment for processes
+whose ``torch.distributed`` default group already exists.
 
 Test harnesses, notebooks driving their own ranks and custom launchers may initialise the
 default process group before building the Trainer. Lightning must then neither launch processes
@@ -8,11 +9,29 @@ nor read ranks from environment variables: the group is the source of truth.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
 
-__all__ = ["ExistingProcessGroupEnvironment"]
+__all__ = ["ExistingProcessGroupEnvironment", "connect"]
+
+
+def connect(environment: ClusterEnvironment, backend: str, device: torch.device,
+            startup_timeout: timedelta | None, timeout: timedelta | None) -> None:
+    """Initialise the default process group unless it exists.
+
+    The rendezvous waits up to ``startup_timeout`` for every rank (each still importing or loading
+    at its own pace); the group's collectives then time out after ``timeout``.
+    """
+    if dist.is_initialized():
+        return
+    kwargs = {"timeout": startup_timeout} if device.type == "cpu" else {"timeout": startup_timeout, "device_id": device}
+    _init_dist_connection(environment, backend, **kwargs)
+    if timeout is not None:
+        dist.distributed_c10d._set_pg_timeout(timeout)
 
 
 class ExistingProcessGroupEnvironment(ClusterEnvironment):

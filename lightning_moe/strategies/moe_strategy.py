@@ -32,12 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -55,7 +51,9 @@ from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.collectives import WorldCollectives
-from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment
+from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment, connect
+from lightning_moe.strategies.launcher import MoESubprocessLauncher
+from lightning_moe.strategies.load_errors import describe_allocation_failure
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
 from lightning_moe.strategies.options import check_strategy_options
@@ -67,6 +65,7 @@ from lightning_moe.strategies.trainer_callbacks import add_expert_bias_updater, 
 __all__ = ["MoEStrategy"]
 
 
+_STARTUP_TIMEOUT = timedelta(minutes=30)
 _LIGHTNING_MESH_NAMES = ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
 
 
@@ -96,6 +95,8 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: timeout of every collective, on the default group and every subgroup: a rank that
             stops answering ends the job with an error after this long.
+        startup_timeout: how long the ranks wait for each other to join the process group at start-up (each
+            imports and loads at its own pace): a short ``timeout`` does not fail slow starts. None: ``timeout``.
         on_nonfinite_grads: ``"raise"`` (default): a step whose reduced gradients hold inf/NaN raises
             :class:`~lightning_moe.strategies.optimizer_step.NonFiniteGradientsError` before the
             optimizer step; ``"skip"``: the step is skipped and counted in ``moe/skipped_steps``.
@@ -142,6 +143,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         start_method: str = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        startup_timeout: timedelta | None = _STARTUP_TIMEOUT,
         on_nonfinite_grads: str = "raise",
         pipeline_schedule: str = "1F1B", num_microbatches: int | None = None,
         virtual_stages: int | None = None, pipeline_layer_split: list[int] | None = None,
@@ -168,6 +170,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         self.sharding_strategy = check_sharding_strategy(sharding_strategy)
         self.bucket_size_mb = bucket_size_mb
         self._process_group_backend, self._timeout = process_group_backend, timeout
+        self._startup_timeout = startup_timeout if startup_timeout is not None else timeout
         self._context: ParallelContext | None = None
         self._layout_announced = False
         self._device_mesh: DeviceMesh | None = None
@@ -253,7 +256,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         ):
             self.cluster_environment = ExistingProcessGroupEnvironment(self.num_processes or None)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = MoESubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         """Ranks from the cluster environment; validates the folded layout against the world size."""
@@ -279,10 +282,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
                 warnings.filterwarnings("ignore", category=category)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        connect(self.cluster_environment, backend, self.root_device, self._startup_timeout, self._timeout)
         if self._context is None:
             dims = self.parallel_dims(dist.get_world_size())
             self._context = build_parallel_context(dims, self.root_device.type, timeout=self._timeout)
@@ -480,7 +480,13 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         ``weights_only`` (Lightning's flag) governs the pickled metadata: None or True allows only
         plain containers and tensors; False, for checkpoints you trust, allows any object.
         """
-        return self.checkpointing.load(Path(self.broadcast(str(checkpoint_path))), weights_only=weights_only)
+        path = Path(self.broadcast(str(checkpoint_path)))
+        try:
+            return self.checkpointing.load(path, weights_only=weights_only)
+        except (MemoryError, RuntimeError) as err:  # the allocator's message names no file
+            if (described := describe_allocation_failure(path, err)) is None:
+                raise
+            raise described from err
 
     def remove_checkpoint(self, filepath) -> None:
         """Delete a checkpoint and what interrupted saves of it left (rank 0)."""

@@ -155,6 +155,40 @@ def test_crash_between_the_renames_resumes_the_previous_checkpoint(tmp_path):
     assert first["listing"] == ["epoch=1.ckpt", LAST], first["listing"]
 
 
+EVERY_EPOCH_KEEP_ALL = {"filename": "{epoch}", "save_top_k": -1, "save_last": True}
+"""As :data:`EVERY_EPOCH`, every epoch kept, with Lightning's default version counter (``-v1`` on a name clash)."""
+
+
+def _cut_first_last_save_then_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    ckpt_dir = Path(ckpt_dir)
+    first = StateCapture()
+    # The 2nd save, the first of last.ckpt, is cut before its meta.pt.
+    with _crash_on_call(dcp, "save", 2, after=True), pytest.raises(RuntimeError, match="injected crash"):
+        fit(world_size, ckpt_dir, capture=first, **EVERY_EPOCH_KEEP_ALL)
+    after_crash = sorted(os.listdir(ckpt_dir))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = fit(world_size, ckpt_dir, ckpt_path="last", **EVERY_EPOCH_KEEP_ALL)
+    return {"after_crash": after_crash, "epoch0": first.at_epoch_end[0], "start": resumed.at_train_start,
+            "warnings": [str(w.message) for w in caught], "listing": sorted(os.listdir(ckpt_dir))}
+
+
+def test_last_falls_back_to_the_newest_complete_checkpoint_when_the_first_last_save_was_cut(tmp_path):
+    """Library bug: ``ckpt_path="last"`` found no ``last*.ckpt`` and restarted from step 0, beside
+    the complete ``epoch=0.ckpt``, then saved epoch 0 again as ``epoch=0-v1.ckpt``."""
+    ranks = run_distributed(_cut_first_last_save_then_resume, 2, str(tmp_path / "ckpts"), timeout_s=180,
+                            tmp_dir=tmp_path)
+    first = ranks[0]
+    partial, complete = first["after_crash"]
+    assert partial.startswith(f".{LAST}.partial-") and complete == "epoch=0.ckpt", first["after_crash"]
+    assert any(re.search(r'ckpt_path="last".*no complete last checkpoint.*newest complete checkpoint.*epoch=0\.ckpt', w)
+               for w in first["warnings"]), first["warnings"]
+    for rank, result in enumerate(ranks):
+        assert result["start"]["epoch"] == 1, rank
+        assert_same_state(result["start"], result["epoch0"], f"rank {rank} resumed")
+    assert first["listing"] == ["epoch=0.ckpt", "epoch=1.ckpt", LAST], first["listing"]  # no epoch=0-v1.ckpt
+
+
 def _save_last_once(rank: int, world_size: int, ckpt_dir: str) -> None:
     fit(world_size, Path(ckpt_dir), max_epochs=1, **EVERY_EPOCH)
 

@@ -193,3 +193,42 @@ def test_clipping_reuses_the_guards_norm_unless_the_gradients_changed(monkeypatc
                 torch.testing.assert_close(got, wanted)
     finally:
         dist.destroy_process_group()
+
+
+def _fit_after_a_slow_start(rank: int, world: int, port: int, timeout_s: float) -> float | None:
+    """Leave the harness's group, then start as a launched rank does: rank 1 joins 3 s late (imports)."""
+    dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(world))
+    if rank == 1:
+        time.sleep(3 * timeout_s)
+    trainer = L.Trainer(**quiet_trainer_kwargs(
+        devices=world, strategy=MoEStrategy(expert_parallel_size=2, timeout=timedelta(seconds=timeout_s)), max_steps=1,
+    ))
+    trainer.fit(ToyModule(), train_loader(make_dataset(8)))
+    group = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return group.options._timeout.total_seconds()
+
+
+def test_a_slow_start_is_not_limited_by_the_collective_timeout(tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a free port for the ranks' own TCP rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    timeouts = run_distributed(_fit_after_a_slow_start, 2, port, 1.0, timeout_s=120, tmp_dir=tmp_path)
+    assert timeouts == [1.0, 1.0]  # collectives keep the strategy's timeout
+
+
+def test_an_allocation_that_fails_while_loading_names_the_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint whose sizes ask for more memory than there is (a damaged or crafted one) names its path."""
+    strategy, where = MoEStrategy(), tmp_path / "epoch=0.ckpt"
+    allocator = "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you tried to allocate 85899345920 bytes."
+
+    def load(path, weights_only=None):
+        raise RuntimeError(allocator)
+
+    monkeypatch.setattr(strategy.checkpointing, "load", load)
+    with pytest.raises(MemoryError, match=rf"Loading the checkpoint {where} needs more memory than this rank can "
+                                          r"allocate \(RuntimeError: .*85899345920 bytes"):
+        strategy.load_checkpoint(where)
