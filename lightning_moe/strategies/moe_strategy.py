@@ -88,8 +88,9 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         order: rank order of the folded layout, ``"tp-cp-ep-dp-pp"`` or ``"tp-cp-ep-pp-dp"``.
         bucket_size_mb: gradient reduction bucket size.
         save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file.
-        verify_checkpoints: check every shard's SHA-256 on load (recorded at save); False for very
-            large checkpoints on trusted storage.
+        verify_checkpoints: check the SHA-256 of every file on load (``meta.pt``, ``.metadata``, the
+            shards; recorded at save); False skips the checksums for very large checkpoints on
+            trusted storage. Sizes, paths, links and ``.metadata`` coverage are checked either way.
         start_method: ``"popen"`` (re-run the script per rank). Spawn/fork launchers are refused:
             they send rank 0's local state back to the parent, which would keep one shard only.
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
