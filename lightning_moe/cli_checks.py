@@ -22,7 +22,7 @@ from typing import Any
 from lightning_moe.data.token_check import vocab_problem
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.models.config import MoETransformerConfig
-from lightning_moe.parallel.config_error import ConfigError
+from lightning_moe.parallel.config_error import ConfigError, raise_problems
 
 __all__ = [
     "check_config_before_launch", "check_init_from_before_launch", "config_problems", "init_from_problems",
@@ -151,9 +151,4 @@ def check_init_from_before_launch(init_from: str, overrides: dict[str, Any] | No
 
 
 def _raise(problems: list[str]) -> None:
-    if not problems:
-        return
-    if len(problems) == 1:
-        raise ConfigError(f"The configuration cannot run: {problems[0]}")
-    listed = "\n".join(f"  - {p}" for p in problems)
-    raise ConfigError(f"The configuration cannot run:\n{listed}")
+    raise_problems(ConfigError, "The configuration cannot run", problems)

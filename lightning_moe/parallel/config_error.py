@@ -8,8 +8,18 @@ Trainer's state) is the same on every rank, so only rank zero prints it
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "raise_problems"]
 
 
 class ConfigError(ValueError):
     """A configuration mistake (the message names the setting, its value and the fix); identical on every rank."""
+
+
+def raise_problems(error: type[ConfigError], lead: str, problems: list[str]) -> None:
+    """Raise ``error`` saying ``lead`` and every one of ``problems`` (one line, or a list); nothing when empty."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise error(f"{lead}: {problems[0]}")
+    listed = "\n".join(f"  - {p}" for p in problems)
+    raise error(f"{lead}:\n{listed}")

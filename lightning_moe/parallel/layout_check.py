@@ -26,7 +26,7 @@ from torch import nn
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models import MoETransformer
-from lightning_moe.parallel.config_error import ConfigError
+from lightning_moe.parallel.config_error import ConfigError, raise_problems
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_support import expert_parallel_support_problem
 from lightning_moe.parallel.tensor_parallel import _check_divisible
@@ -151,10 +151,4 @@ def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
 
 def check_model_layout(model: nn.Module, dims: ParallelDims) -> None:
     """Raise :class:`LayoutError` with every problem of :func:`layout_problems`, if any."""
-    problems = layout_problems(model, dims)
-    if not problems:
-        return
-    if len(problems) == 1:
-        raise LayoutError(f"The model cannot be sharded on {dims.describe()}: {problems[0]}")
-    listed = "\n".join(f"  - {p}" for p in problems)
-    raise LayoutError(f"The model cannot be sharded on {dims.describe()}:\n{listed}")
+    raise_problems(LayoutError, f"The model cannot be sharded on {dims.describe()}", layout_problems(model, dims))
