@@ -91,6 +91,8 @@ def _crafted(tiny_folder: Path, tmp_path: Path) -> Path:
     ("vocab_size", 10**12, r"a sane value lies in \[1, 16777216\]"),
     ("hidden_size", 0, r"a sane value lies in \[1, \d+\]"),
     ("num_experts", 4096, r"the weights hold \d+ experts per layer"),
+    ("moe_intermediate_size", 17, r"the weights' experts are 16 wide"),
+    ("vocab_size", 100, r"the weights' model\.embed_tokens\.weight is \[\d+, \d+\]"),
 ])
 def test_absurd_declared_sizes_are_refused_before_building(tiny_folder, tmp_path, field, value, says):
     """Library bug: init_from built the model config.json declares (10^6 layers ran for minutes)."""

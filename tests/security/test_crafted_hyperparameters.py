@@ -18,7 +18,10 @@ import pytest
 import torch
 from security.crafting import snapshot
 
-from lightning_moe.cli import cli_main
+from lightning_moe import MoEConfig
+from lightning_moe.cli import MoECLI, cli_main
+from lightning_moe.lit import MoELanguageModel
+from lightning_moe.models import MoETransformerConfig
 from lightning_moe.parallel.config_error import ConfigError
 
 
@@ -69,3 +72,19 @@ def test_model_overrides_in_a_configuration_build_nothing(tmp_path, capsys):
         _fit(f"--config={config}")
     assert 'Parser key "model_overrides"' in capsys.readouterr().err
     _assert_untouched(tmp_path, before, marker)
+
+
+def test_plain_checkpoint_hyperparameters_still_configure_the_reference_model(tmp_path, monkeypatch):
+    """The oracle: the hyperparameters MoELanguageModel saved, with another learning rate, reach the model built."""
+    config = MoETransformerConfig(vocab_size=64, hidden_size=16, num_layers=1, num_attention_heads=2,
+                                  max_seq_len=32, moe=MoEConfig(16, 8, 2, top_k=2))
+    hparams = {**MoELanguageModel(config).hparams, "learning_rate": 0.25}
+    ckpt = tmp_path / "plain.ckpt"
+    torch.save({"hyper_parameters": hparams, "state_dict": {}}, ckpt)
+    for i in range(2):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i}\n" * 20)
+    monkeypatch.setattr(MoECLI, "_run_subcommand", lambda self, subcommand: None)  # build, do not train
+    cli = cli_main(["fit", "--trainer.logger=false", "--trainer.accelerator=cpu", f"--data.source={tmp_path}",
+                    "--data.seq_len=16", f"--ckpt_path={ckpt}"])
+    assert cli.model.hparams == hparams
+    assert cli.model.config == config
