@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -56,6 +57,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_moe.strategies  # noqa: F401  (registers strategy="moe")
 from lightning_moe.cli_checks import check_config_before_launch, check_init_from_before_launch
+from lightning_moe.cli_ckpt_hparams import checkpoint_hyperparameters
 from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
 from lightning_moe.cli_help import HelpParser
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
@@ -178,6 +180,33 @@ class MoECLI(LightningCLI):
             subcommands.add_subcommand("export", export_parser(), help=EXPORT_HELP)
             subcommands.add_subcommand("generate", generate_parser(), help=GENERATE_HELP)
 
+    def _parse_ckpt_path(self) -> None:
+        """Merge a ``--ckpt_path`` file's hyperparameters into the reference model's configuration,
+        as plain values only (:func:`~lightning_moe.cli_ckpt_hparams.checkpoint_hyperparameters`).
+
+        LightningCLI's own merge lets a file from someone else name classes to build. Here nothing a
+        checkpoint holds is built: a ``class_path`` anywhere in it is refused, and the hyperparameters
+        reach only the reference model, whose parameters are all plain-typed; another model class
+        takes its configuration from ``--config``/``--model.*`` alone.
+        """
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return  # a sharded checkpoint folder or "last": Lightning merges nothing either
+        model = self.config[subcommand].get("model")
+        class_path = model.get("class_path") if model is not None and hasattr(model, "get") else None
+        names = {str(class_path), DEFAULT_MODEL} if _is_reference_model(class_path) else {str(class_path)}
+        hparams = checkpoint_hyperparameters(ckpt_path, names)
+        if not hparams:
+            return
+        if not _is_reference_model(class_path):
+            rank_zero_info(
+                f"lightning-moe: the hyperparameters of {ckpt_path} are not merged into {class_path}'s "
+                "configuration (only the reference model's are); give them with --config or --model.*."
+            )
+            return
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+
     def before_instantiate_classes(self) -> None:
         """Check ``init_from`` and ``model_overrides`` of the reference model before it is built."""
         config = self.config.get(self.subcommand) if self.subcommand is not None else self.config
@@ -226,7 +255,9 @@ def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint | Gen
     if argv[:1] == ["generate"]:
         return generate_main(argv[1:])
     # Field docstrings of the config dataclasses become --help text.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # A class_path under an Any-typed field stays a mapping (the default of jsonargparse 5): a
+    # configuration or a checkpoint's hyperparameters never name objects to build there.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True, instantiate_subclass_spec_in_any=False)
     return MoECLI(
         L.LightningModule,
         L.LightningDataModule,

@@ -51,7 +51,14 @@ class HFTokenizer:
                 f"{file} does not exist: give a tokenizer.json file or the Hugging Face model directory holding one."
             )
         self.path = file
-        self._tokenizer = _tokenizers().Tokenizer.from_file(str(file))
+        tokenizers = _tokenizers()
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as err:  # the Rust library raises a bare Exception naming no file
+            raise ValueError(
+                f"{file} is not a valid tokenizer.json ({' '.join(str(err).split())}); use the tokenizer.json "
+                "of the model (transformers' tokenizer.save_pretrained writes one)."
+            ) from err
         self._eos_id = self._find_eos(eos_token, file.parent / "config.json")
 
     def _find_eos(self, eos_token: str | None, config_file: Path) -> int:
@@ -61,7 +68,10 @@ class HFTokenizer:
                 raise ValueError(f"eos_token={eos_token!r} is not in the vocabulary of {self.path}.")
             return token_id
         if config_file.is_file():
-            eos = json.loads(config_file.read_text(encoding="utf-8")).get("eos_token_id")
+            try:
+                eos = json.loads(config_file.read_text(encoding="utf-8")).get("eos_token_id")
+            except (ValueError, AttributeError) as err:  # JSONDecodeError is a ValueError
+                raise ValueError(f"{config_file} is not a valid config.json: {err}.") from err
             eos = eos[0] if isinstance(eos, list) and eos else eos
             if isinstance(eos, int):
                 return eos

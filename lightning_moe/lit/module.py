@@ -31,9 +31,15 @@ from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean
 
-__all__ = ["MoELanguageModel", "TokenMeanLoss", "TokenPerplexity", "check_batch", "optimizer_param_groups"]
+__all__ = ["MoELanguageModel", "OverrideValue", "TokenMeanLoss", "TokenPerplexity", "check_batch", "optimizer_param_groups"]
 
 IGNORE_INDEX = -100
+
+_Scalar = bool | int | float | str | None
+OverrideValue = _Scalar | list[_Scalar] | dict[str, _Scalar | list[_Scalar]]
+"""A value of ``model_overrides``: plain data (a field, or a mapping of :class:`~lightning_moe.MoEConfig`
+fields for ``moe``), so a configuration parser never builds an object from it (no class is among
+its types) and it comes back from a checkpoint's hyperparameters as the same plain data."""
 
 
 def optimizer_param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -199,7 +205,7 @@ class MoELanguageModel(L.LightningModule):
         warmup_steps: int = 20,
         min_lr_ratio: float = 0.1,
         init_from: str | None = None,
-        model_overrides: dict[str, Any] | None = None,
+        model_overrides: dict[str, OverrideValue] | None = None,
         check_every_batch: bool = False,
     ) -> None:
         super().__init__()

@@ -26,6 +26,7 @@ from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.hf.config_export import PASSTHROUGH_KEYS, config_to_hf, infer_family
 from lightning_moe.models.hf.config_map import FAMILIES, config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config, write_config, write_safetensors
+from lightning_moe.models.hf.size_check import check_declared_sizes
 from lightning_moe.models.hf.source import exported_config
 from lightning_moe.models.hf.weights import hf_state_dict, hf_tensors
 
@@ -52,8 +53,11 @@ def _apply_overrides(config: MoETransformerConfig, overrides: dict[str, Any]) ->
 def pretrained_config(path: str | os.PathLike, **overrides) -> tuple[MoETransformerConfig, str]:
     """``(config, family)`` of the Hugging Face directory ``path``: its ``config.json`` mapped to a
     :class:`MoETransformerConfig`, with ``overrides`` replacing fields (``moe`` may be a dict of
-    :class:`~lightning_moe.MoEConfig` fields), as :func:`load_pretrained` builds it. No weight is read."""
-    config, family = config_from_hf(read_config(path))
+    :class:`~lightning_moe.MoEConfig` fields), as :func:`load_pretrained` builds it. No weight is read: the declared sizes are checked against
+    the safetensors headers first (:func:`~lightning_moe.models.hf.size_check.check_declared_sizes`)."""
+    raw = read_config(path)
+    check_declared_sizes(path, raw)  # before any size is used: the folder may come from anyone
+    config, family = config_from_hf(raw)
     return _apply_overrides(config, dict(overrides)), family
 
 

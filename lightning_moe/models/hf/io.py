@@ -78,8 +78,14 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     file = Path(path) / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist: {path} is not a Hugging Face model directory.")
-    with open(file, encoding="utf-8") as handle:
-        return json.load(handle)
+    try:
+        with open(file, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is not a valid config.json: {err}.") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a valid config.json: it holds a {type(config).__name__}, not a mapping.")
+    return config
 
 
 def write_config(config: Mapping[str, Any], path: str | os.PathLike) -> None:
