@@ -7,9 +7,14 @@ Each forward collective has its adjoint as backward:
 * ``reduce_scatter_v`` (every rank holds all ``sum(sizes)`` rows, rank ``r`` keeps the sum of its
   ``sizes[r]`` rows) -> backward ``all_gather_v``.
 
-Uneven gathers and reduce-scatters go through ``all_to_all_single`` (which gloo and NCCL both
-support with uneven splits); equal sizes use the dedicated flat all-gather / reduce-scatter. Sizes are host lists: the caller has already paid the one
-device-to-host read a dropless dispatch needs.
+Equal sizes use the dedicated flat all-gather / reduce-scatter. An uneven all-gather is one batch of
+point-to-point sends and receives: each rank sends its own rows (the same tensor) to every peer and
+receives each peer's rows straight into its slice of the output, so nothing but the output is
+allocated (an ``all_to_all_single`` would need the rows copied once per peer, and padding to the
+largest count a ``world x largest`` buffer; NCCL runs its all-to-all as the same grouped sends and
+receives). An uneven reduce-scatter is an ``all_to_all_single`` of the rows as they are (no copy).
+Sizes are host lists: the caller has already paid the one device-to-host read a dropless dispatch
+needs, and nothing here reads the device.
 """
 
 from __future__ import annotations
@@ -36,15 +41,31 @@ def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], gr
 
 
 def _all_gather_v(x: Tensor, sizes: list[int], group) -> Tensor:
-    world, _ = _world(group)
+    world, rank = _world(group)
     if world == 1:
         return x
     if len(set(sizes)) == 1:
         out = x.new_empty((sum(sizes), *x.shape[1:]))
         _all_gather_flat(out, x.contiguous(), group=group)
         return out
-    # Send our rows to every rank; receive each rank's rows.
-    return _all_to_all(x.repeat((world,) + (1,) * (x.dim() - 1)), sizes, [x.shape[0]] * world, group)
+    # Peers' rows land directly in their slices (contiguous views along dim 0); ours is copied.
+    out = x.new_empty((sum(sizes), *x.shape[1:]))
+    parts = out.split(sizes)
+    x = x.contiguous()
+    parts[rank].copy_(x)
+    ops = []
+    for peer in range(world):
+        if peer == rank:
+            continue
+        peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+        if x.shape[0]:
+            ops.append(dist.P2POp(dist.isend, x, peer_global, group=group))
+        if sizes[peer]:
+            ops.append(dist.P2POp(dist.irecv, parts[peer], peer_global, group=group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
 
 
 def _reduce_scatter_v(x: Tensor, sizes: list[int], group) -> Tensor:
