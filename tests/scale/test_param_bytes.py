@@ -1,0 +1,104 @@
+"""Per-rank parameter, gradient and optimizer bytes of the real presets at world 64-1024.
+
+Each preset of ``examples/configs/models/`` is built on the meta device and parallelised as one
+rank of the layout a user would pick, on the fake backend (`scale.fake_world`); the elements that
+rank holds are compared with `scale.formula.local_parameters`, written from the config fields.
+
+Pipeline parallelism is not covered here: ``parallelize`` does not split stages (the pipeline
+runner does), so PP changes nothing in what it returns. FSDP2 ``FULL_SHARD`` works on the fake
+backend with meta parameters and is checked for the layouts whose dimensions divide evenly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models.test_presets import EXACT
+from scale.fake_world import fake_rank, local_numel, sharded_preset
+from scale.formula import global_parameters, local_parameters, training_state_bytes
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_moe.parallel import ParallelDims
+
+# (preset, layout): what a user would pick for each model at its scale.
+LAYOUTS = [
+    ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=8, etp=1)),
+    ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=4, etp=2)),
+    ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1)),
+    ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1)),
+]
+IDS = [f"{name}-{dims.describe()}" for name, dims in LAYOUTS]
+
+
+def _expert_param(name: str) -> bool:
+    return ".experts." in name
+
+
+@pytest.mark.parametrize(("name", "dims"), LAYOUTS, ids=IDS)
+def test_local_parameters_match_the_formula(name, dims):
+    """First and last rank hold exactly the formula's elements; the layout's global count is the
+    published one (tests/models/test_presets.py::EXACT)."""
+    for rank in (0, dims.world_size - 1):
+        with fake_rank(rank, dims.world_size):
+            sharded = sharded_preset(name, dims, rank)
+            assert sharded.local_parameters() == local_parameters(sharded.config, dims), (name, rank)
+            # Dense DTensors know their global shape; each routed expert lives on one EP x ETP
+            # coordinate, so the experts' global count is the local one times EP x ETP.
+            total = sum(
+                local_numel(p) * dims.ep * dims.etp if _expert_param(n) else p.numel()
+                for n, p in sharded.model.named_parameters()
+            )
+    assert total == global_parameters(sharded.config) == EXACT[name][0]
+
+
+def test_formula_is_the_whole_model_at_world_one():
+    """The oracle itself: at world 1 it is the published count of every preset tested."""
+    from models.test_presets import load_preset
+
+    for name in {name for name, _ in LAYOUTS}:
+        assert global_parameters(load_preset(name)) == EXACT[name][0]
+
+
+FSDP_LAYOUTS = [LAYOUTS[0], LAYOUTS[2]]  # every sharded dimension divides evenly over DP / EDP
+
+
+@pytest.mark.parametrize(("name", "dims"), FSDP_LAYOUTS, ids=[IDS[0], IDS[2]])
+def test_full_shard_local_parameters_and_training_state(name, dims):
+    """Under FULL_SHARD a rank holds the formula's shard; AdamW (run one step on meta) keeps two
+    moments of each local shard and gradients have the shard's shape: `training_state_bytes`."""
+    rank = dims.world_size // 2 + 1
+    with fake_rank(rank, dims.world_size):
+        sharded = sharded_preset(name, dims, rank, "FULL_SHARD")
+        local = sharded.local_parameters()
+        assert local == local_parameters(sharded.config, dims, fsdp=True)
+        params = [p for p in sharded.model.parameters()]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer = torch.optim.AdamW(params, foreach=False)
+        optimizer.step()
+        grads = sum(local_numel(p.grad) * p.grad.element_size() for p in params)
+        moments = sum(
+            local_numel(v) * v.element_size()
+            for state in optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0  # not the scalar step counter
+        )
+        param_bytes = sum(local_numel(p) * p.element_size() for p in params)
+    expected = training_state_bytes(local)
+    assert (param_bytes, grads, moments) == (expected["params"], expected["grads"], expected["optimizer"])
+
+
+@pytest.mark.xfail(strict=True, reason="issue defect 3: FSDP2 has no root (the top-level model is not an FSDPModule)")
+def test_full_shard_has_one_root():
+    """One FSDP2 root drives the streams so backward prefetches the previous block's all-gather."""
+    name, dims = LAYOUTS[0]
+    with fake_rank(0, dims.world_size):
+        sharded = sharded_preset(name, dims, 0, "FULL_SHARD")
+        assert isinstance(sharded.model, FSDPModule)
+
+
+def test_training_state_bytes():
+    """fp32 Adam: parameters, gradients and two moments, 16 bytes per element; bf16 weights with
+    fp32 gradients and moments (no master copy counted here) 14."""
+    assert training_state_bytes(10) == {"params": 40, "grads": 40, "optimizer": 80, "total": 160}
+    assert training_state_bytes(10, param_bytes=2)["total"] == 140
