@@ -20,6 +20,8 @@ the split is exact; `local_parameters` checks that and raises otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from lightning_moe.models import MoETransformerConfig
 from lightning_moe.parallel import ParallelDims
 
@@ -32,14 +34,26 @@ def _div(value: int, by: int, what: str) -> int:
     return value // by
 
 
-def local_parameters(config: MoETransformerConfig, dims: ParallelDims, fsdp: bool = False) -> int:
-    """Parameter elements one rank holds (module docstring); ``fsdp``: FSDP2 sharding on top."""
+def local_parameters(
+    config: MoETransformerConfig,
+    dims: ParallelDims,
+    fsdp: bool = False,
+    layers: Iterable[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> int:
+    """Parameter elements one rank holds (module docstring); ``fsdp``: FSDP2 sharding on top.
+
+    Under pipeline parallelism pass this rank's stages: the block indices it holds (``layers``),
+    whether it holds the embedding (``first``) and the final norm and head (``last``)."""
     tp, hidden, vocab = dims.tp, config.hidden_size, config.vocab_size
     dense_shard = dims.dp * dims.cp if fsdp else 1  # FSDP2's dense mesh is dp x cp
     expert_shard = dims.edp if fsdp else 1
-    dense = _div(vocab, tp, "vocab_size") * hidden * (1 if config.tie_embeddings else 2) + hidden
+    vocab_part = _div(vocab, tp, "vocab_size") * hidden
+    tied = config.tie_embeddings
+    dense = (vocab_part if first or tied else 0) + ((0 if tied else vocab_part) + hidden if last else 0)
     experts = 0
-    for index in range(config.num_layers):
+    for index in range(config.num_layers) if layers is None else layers:
         dense += 2 * hidden + _attention(config, tp)
         if config.is_moe_layer(index):
             moe = config.moe

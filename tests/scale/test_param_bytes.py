@@ -4,8 +4,8 @@ Each preset of ``examples/configs/models/`` is built on the meta device and para
 rank of the layout a user would pick, on the fake backend (`scale.fake_world`); the elements that
 rank holds are compared with `scale.formula.local_parameters`, written from the config fields.
 
-Pipeline parallelism is not covered here: ``parallelize`` does not split stages (the pipeline
-runner does), so PP changes nothing in what it returns. FSDP2 ``FULL_SHARD`` works on the fake
+Pipeline parallelism: ``parallelize`` does not split stages; ``PipelineRunner`` trims the model to
+this rank's stages afterwards, as the strategy does, and the stage is counted then. FSDP2 ``FULL_SHARD`` works on the fake
 backend with meta parameters and is checked for the layouts whose dimensions divide evenly.
 """
 
@@ -19,6 +19,7 @@ from scale.formula import global_parameters, local_parameters, training_state_by
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_moe.parallel import ParallelDims
+from lightning_moe.parallel.pipeline import PipelineRunner
 
 # (preset, layout): what a user would pick for each model at its scale.
 LAYOUTS = [
@@ -102,3 +103,46 @@ def test_training_state_bytes():
     fp32 gradients and moments (no master copy counted here) 14."""
     assert training_state_bytes(10) == {"params": 40, "grads": 40, "optimizer": 80, "total": 160}
     assert training_state_bytes(10, param_bytes=2)["total"] == 140
+
+
+def _even_split(num_layers: int, stages: int, stage: int) -> range:
+    """Blocks of ``stage`` when ``num_layers`` are split as evenly as possible, earlier stages first."""
+    base, extra = divmod(num_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+PP_LAYOUTS = [
+    ("mixtral_8x7b", ParallelDims(world_size=128, tp=8, ep=8, etp=1, pp=2)),
+    ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1, pp=8)),
+]
+
+
+@pytest.mark.parametrize(("name", "dims"), PP_LAYOUTS, ids=[f"{n}-{d.describe()}" for n, d in PP_LAYOUTS])
+def test_pipeline_stage_parameters_match_the_formula(name, dims):
+    """After ``parallelize`` and the 1F1B ``PipelineRunner`` trims the model, the first and the last
+    rank hold their stage's blocks (even split; DeepSeek-V3's 61 over 8: 8,8,8,8,8,7,7,7) and the
+    embedding or the head, as the formula says."""
+    for rank in (0, dims.world_size - 1):
+        stage = dims.coords(rank).pp
+        with fake_rank(rank, dims.world_size):
+            sharded = sharded_preset(name, dims, rank)
+            PipelineRunner(sharded.model, sharded.ctx, "1F1B", dims.pp, lambda out, _: out.sum(), torch.device("cpu"))
+            layers = _even_split(sharded.config.num_layers, dims.pp, stage)
+            expected = local_parameters(
+                sharded.config, dims, layers=layers, first=stage == 0, last=stage == dims.pp - 1
+            )
+            assert sharded.local_parameters() == expected, (name, rank, stage)
+
+
+@pytest.mark.xfail(strict=True, reason="issue defect 2: state_dict() all-gathers the experts' fc1 at ETP > 1")
+def test_state_dict_returns_only_the_held_expert_elements():
+    """Mixtral at world 64, TP=8, EP=4, ETP=2: ``state_dict()`` hands out the expert elements this
+    rank holds, no more (today 1.67x: fc1 is gathered to full width)."""
+    name, dims = LAYOUTS[1]
+    with fake_rank(3, dims.world_size):
+        sharded = sharded_preset(name, dims, 3)
+        held = sum(local_numel(p) for n, p in sharded.model.named_parameters() if _expert_param(n))
+        state = sharded.model.state_dict()
+        out = sum(local_numel(v) for k, v in state.items() if _expert_param(k))
+    assert out == held, f"state_dict() returns {out} expert elements, {out / held:.2f}x the {held} held"
