@@ -28,7 +28,14 @@ LAYOUTS = [
     ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1)),
     ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1)),
 ]
-IDS = [f"{name}-{dims.describe()}" for name, dims in LAYOUTS]
+
+
+def layout_id(name: str, dims: ParallelDims) -> str:
+    """A short test id: preset and sizes."""
+    return f"{name}-w{dims.world_size}-tp{dims.tp}-ep{dims.ep}-etp{dims.etp}-pp{dims.pp}"
+
+
+IDS = [layout_id(name, dims) for name, dims in LAYOUTS]
 
 
 def _expert_param(name: str) -> bool:
@@ -60,7 +67,10 @@ def test_formula_is_the_whole_model_at_world_one():
         assert global_parameters(load_preset(name)) == EXACT[name][0]
 
 
-FSDP_LAYOUTS = [LAYOUTS[0], LAYOUTS[2]]  # every sharded dimension divides evenly over DP / EDP
+# Every sharded dimension of these divides evenly over DP / EDP. Not DeepSeek-V3 at DP=128: its
+# kv_down_proj has 576 rows, which FSDP2 splits unevenly (padded shards), so the even formula does
+# not apply there.
+FSDP_LAYOUTS = [LAYOUTS[0], LAYOUTS[2]]
 
 
 @pytest.mark.parametrize(("name", "dims"), FSDP_LAYOUTS, ids=[IDS[0], IDS[2]])
@@ -118,7 +128,7 @@ PP_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "dims"), PP_LAYOUTS, ids=[f"{n}-{d.describe()}" for n, d in PP_LAYOUTS])
+@pytest.mark.parametrize(("name", "dims"), PP_LAYOUTS, ids=[layout_id(n, d) for n, d in PP_LAYOUTS])
 def test_pipeline_stage_parameters_match_the_formula(name, dims):
     """After ``parallelize`` and the 1F1B ``PipelineRunner`` trims the model, the first and the last
     rank hold their stage's blocks (even split; DeepSeek-V3's 61 over 8: 8,8,8,8,8,7,7,7) and the

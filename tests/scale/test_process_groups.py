@@ -32,7 +32,7 @@ def _record_new_group(monkeypatch) -> list[tuple[tuple[int, ...], dist.ProcessGr
     return calls
 
 
-@pytest.mark.parametrize("dims", LAYOUTS, ids=[d.describe() for d in LAYOUTS])
+@pytest.mark.parametrize("dims", LAYOUTS, ids=[f"w{d.world_size}-tp{d.tp}-ep{d.ep}" for d in LAYOUTS])
 def test_each_rank_gets_the_groups_the_layout_predicts(monkeypatch, dims):
     """On ranks 0 and 37, every named group has the members ``dims.group_of(name, rank)``, is one
     this rank created, and every created member list is a group of some name of the layout."""
