@@ -191,6 +191,13 @@ class StageModule(nn.Module):
             x = self._parts.head(x)
         return x.to_local() if isinstance(x, DTensor) else x
 
+    def head_only(self, x: Tensor) -> Tensor:
+        """The last stage's outputs for hidden states ``x`` without its blocks (to learn their shape)."""
+        if self.input_layout is not None:
+            x = DTensor.from_local(x, *self.input_layout, run_check=False)
+        x = self._parts.head(x)
+        return x.to_local() if isinstance(x, DTensor) else x
+
 
 @dataclass(frozen=True)
 class TrimRecord:
