@@ -57,7 +57,8 @@ class PipelineParts:
         first: attribute names of the modules only the first stage runs (the embedding).
         last: attribute names of the modules only the last stage runs (final norm, head).
         embed: ``inputs -> hidden``, on the first stage (uses only ``first``'s modules).
-        block: ``(block, hidden) -> hidden``, one block.
+        block: ``(block, hidden) -> hidden``, one block; it keeps the hidden states' shape, dtype
+            and layout (the pipeline's shape probe relies on it and runs no block after the first stage).
         head: ``hidden -> outputs`` (e.g. logits), on the last stage (uses only ``last``'s modules).
     """
 
