@@ -51,6 +51,7 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -161,6 +162,12 @@ def _probe(module: StageModule, x: Tensor) -> tuple[Tensor, tuple | None]:
     return out, seen.get("layout")
 
 
+SCHEDULES_KEPT = 2
+"""Schedules a :class:`PipelineRunner` keeps per mode (training, evaluation): the batch shapes
+most recently used (a full batch and a shorter last one, say). An older one is dropped, with its
+stages' receive buffers, and built again (one shape probe) if its shape comes back."""
+
+
 def _example(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     # requires_grad on floating tensors: the stage derives from it that a gradient travels back.
     return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
@@ -227,7 +234,7 @@ class PipelineRunner:
         self.has_first = 0 in self.stage_ids
         self.has_last = last in self.stage_ids
         self._last_rank = dist.get_global_rank(self.group, stage_to_rank(last, self.pp, self.style))
-        self._schedules: dict[tuple, object] = {}
+        self._schedules: OrderedDict[tuple, object] = OrderedDict()  # least recently used first
         self._mesh = ctx.dense_mesh  # the hidden states' layout between stages is a dense one
 
     def shard_units(self) -> list[nn.Module]:
@@ -245,11 +252,17 @@ class PipelineRunner:
         )
 
     def _schedule(self, inputs: Tensor, train: bool):
-        # PipelineStage infers (and keeps) the shapes sent between stages at its first step: one
-        # schedule per micro-batch shape (a shorter last batch, validation batches of other sizes),
-        # and separate ones for training and forward-only evaluation.
+        # A PipelineStage keeps the shapes sent between stages and receive buffers of those shapes:
+        # one schedule per micro-batch shape (a shorter last batch, validation batches of other
+        # sizes), separate ones for training and forward-only evaluation, the SCHEDULES_KEPT most
+        # recently used of each mode kept.
         key = (tuple(inputs.shape), inputs.dtype, train)
-        if key not in self._schedules:
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+        else:
+            same_mode = [k for k in self._schedules if k[2] == train]
+            for old in same_mode[: max(0, len(same_mode) - SCHEDULES_KEPT + 1)]:
+                del self._schedules[old]  # its stages (and their buffers) go with it: nothing else holds them
             metas = self._stage_metas(inputs)
             stages = [
                 PipelineStage(module, s, self.num_stages, self.device, group=self.group,
@@ -272,31 +285,43 @@ class PipelineRunner:
 
         Given to each ``PipelineStage``, so it skips its own metadata inference, which runs a
         training-mode forward on uninitialised tensors: that would add garbage to the routers'
-        expert-bias counts and global aux-loss statistics. Here each stage runs once, in stage order,
-        on zeros (the first on a real micro-batch), under ``no_grad`` and with its buffers restored
-        afterwards, so nothing a router counts survives; every rank of a stage's TP/EP groups runs it
-        at the same time (their collectives match). One object broadcast per stage over ``pp``.
+        expert-bias counts and global aux-loss statistics. Only the first stage runs, on a real
+        micro-batch (its buffers restored afterwards, so nothing a router counts survives): blocks
+        keep the hidden states' shape, dtype and layout, so every later boundary has the first
+        stage's output meta, and the last stage runs only its head, on zeros of that shape. No
+        later stage's blocks run: on synthetic hidden states their routers would send every token
+        to the same experts (one expert-parallel rank getting EP times its share). Every rank of a
+        stage's TP/EP groups runs it at the same time (their collectives match). One object
+        broadcast over ``pp`` for the first stage, one for the last.
         """
         micro = inputs[: inputs.shape[0] // self.num_microbatches]
         metas = [(tuple(micro.shape), micro.dtype)]
+        last = self.num_stages - 1
+        meta = None
         for s in range(self.num_stages):
             owner = stage_to_rank(s, self.pp, self.style)
-            meta = None
-            if owner == self.pp_rank:
-                module = self.modules[self.stage_ids.index(s)]
-                saved = [b.clone() for b in module.buffers()]
-                x = micro if s == 0 else torch.zeros(metas[s][0], dtype=metas[s][1], device=self.device)
-                out, layout = _probe(module, x)
-                for buffer, value in zip(module.buffers(), saved):
-                    buffer.copy_(value)
-                for unit in (m for m in module.modules() if isinstance(m, FSDPModule)):
-                    unit.reshard()  # free what the probe gathered (SHARD_GRAD_OP keeps it otherwise)
-                meta = (tuple(out.shape), out.dtype, layout)
-            if self.pp > 1:
-                box = [meta]
-                dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, owner), group=self.group,
-                                           device=self.device)
-                meta = box[0]
+            if 0 < s < last:  # a run of blocks: its output is its input's kind
+                meta = (metas[s][0], metas[s][1], meta[2])
+            else:
+                meta = None
+                if owner == self.pp_rank:
+                    module = self.modules[self.stage_ids.index(s)]
+                    saved = [b.clone() for b in module.buffers()]
+                    if s == 0:
+                        out, layout = _probe(module, micro)
+                    else:  # nothing follows the last stage: its output layout is not needed
+                        hidden = torch.zeros(metas[s][0], dtype=metas[s][1], device=self.device)
+                        out, layout = module.head_only(hidden), None
+                    for buffer, value in zip(module.buffers(), saved):
+                        buffer.copy_(value)
+                    for unit in (m for m in module.modules() if isinstance(m, FSDPModule)):
+                        unit.reshard()  # free what the probe gathered (SHARD_GRAD_OP keeps it otherwise)
+                    meta = (tuple(out.shape), out.dtype, layout)
+                if self.pp > 1:
+                    box = [meta]
+                    dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, owner), group=self.group,
+                                               device=self.device)
+                    meta = box[0]
             if s + 1 in self.stage_ids and meta[2] is not None:
                 names, placements = meta[2]
                 mesh = self._mesh[names[0] if len(names) == 1 else names]

@@ -57,7 +57,8 @@ class PipelineParts:
         first: attribute names of the modules only the first stage runs (the embedding).
         last: attribute names of the modules only the last stage runs (final norm, head).
         embed: ``inputs -> hidden``, on the first stage (uses only ``first``'s modules).
-        block: ``(block, hidden) -> hidden``, one block.
+        block: ``(block, hidden) -> hidden``, one block; it keeps the hidden states' shape, dtype
+            and layout (the pipeline's shape probe relies on it and runs no block after the first stage).
         head: ``hidden -> outputs`` (e.g. logits), on the last stage (uses only ``last``'s modules).
     """
 
@@ -189,6 +190,13 @@ class StageModule(nn.Module):
             x = self._parts.block(block, x)
         if self.is_last:
             x = self._parts.head(x)
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    def head_only(self, x: Tensor) -> Tensor:
+        """The last stage's outputs for hidden states ``x`` without its blocks (to learn their shape)."""
+        if self.input_layout is not None:
+            x = DTensor.from_local(x, *self.input_layout, run_check=False)
+        x = self._parts.head(x)
         return x.to_local() if isinstance(x, DTensor) else x
 
 
