@@ -66,7 +66,7 @@ class StepSafeguards:
         """TP ranks split each sequence between them, so they must hold the same batch.
 
         Megatron broadcasts the batch from TP rank 0; we check it (one small all-gather and one
-        host read per step) and name the likely cause.
+        host read per call: validation and manual optimization) and name the likely cause.
         """
         if ctx.size("tp") > 1:
             check_same_batch(args[0] if args else kwargs.get("batch"), ctx.group("tp"))
