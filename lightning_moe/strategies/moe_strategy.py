@@ -369,7 +369,11 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         """Check that the tensor-parallel ranks got the same batch, cut it to this rank's sequence
         chunks under context parallelism, then run the module's step."""
-        StepSafeguards.check_batch(args, kwargs, self.parallel_context)
+        if self.lightning_module.automatic_optimization:
+            # Compared on the device; read once per optimizer step, before it (see optimizer_step).
+            self._safeguards.observe_batch(args, kwargs, self.parallel_context)
+        else:  # manual optimization may never step: read at once
+            StepSafeguards.check_batch(args, kwargs, self.parallel_context)
         args, kwargs = shard_batch((args, kwargs), self.parallel_context)
         if self._pipeline is not None:
             return self._pipeline.training_step(self, *args, **kwargs)
@@ -430,12 +434,14 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """Step after the gradients of the closure's backward (or of manual backward passes) are reduced."""
-        if self._grad_sync is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
         inner = closure
 
         def reduced_closure():
             result = inner()
+            # The closure ran the step's last micro-batch: every batch of this step has been compared.
+            self._safeguards.verify_batches()
+            if self._grad_sync is None:
+                return result
             self.finish_grad_sync()  # a no-op when post_backward already reduced
             self._safeguards.before_optimizer_step(
                 optimizer, self.parallel_context, self.lightning_module.trainer.global_step, self._grad_scaler,

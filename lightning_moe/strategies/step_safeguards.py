@@ -4,7 +4,8 @@
   bind one aux-loss gradient scale to every router, and make the ranks agree on GradScaler
   overflows (expert shards differ per rank: :mod:`lightning_moe.parallel.grad_scaler`);
 * per micro-batch: tensor-parallel ranks hold the same batch
-  (:mod:`lightning_moe.parallel.batch_agreement`);
+  (:mod:`lightning_moe.parallel.batch_agreement`), compared on the device and read once per
+  optimizer step under automatic optimization;
 * before each backward: the aux/z-loss gradient scale follows the main loss's
   (:mod:`lightning_moe.layers.loss_scale`);
 * before each optimizer step: the reduced gradients are finite
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from lightning_moe.layers.loss_scale import LossGradScale
-from lightning_moe.parallel.batch_agreement import check_same_batch
+from lightning_moe.parallel.batch_agreement import BatchAgreement, check_same_batch
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.grad_scaler import agree_on_overflow
 from lightning_moe.strategies.optimizer_step import GradientGuard
@@ -40,6 +41,7 @@ class StepSafeguards:
     def __init__(self, on_nonfinite_grads: str = "raise") -> None:
         self.guard = GradientGuard(on_nonfinite_grads)
         self.loss_scale: LossGradScale | None = None
+        self.batches = BatchAgreement()
 
     def setup(
         self, model: nn.Module, ctx: ParallelContext, device: torch.device,
@@ -64,10 +66,19 @@ class StepSafeguards:
         """TP ranks split each sequence between them, so they must hold the same batch.
 
         Megatron broadcasts the batch from TP rank 0; we check it (one small all-gather and one
-        host read per step) and name the likely cause.
+        host read per call: validation and manual optimization) and name the likely cause.
         """
         if ctx.size("tp") > 1:
             check_same_batch(args[0] if args else kwargs.get("batch"), ctx.group("tp"))
+
+    def observe_batch(self, args: tuple, kwargs: dict[str, Any], ctx: ParallelContext) -> None:
+        """As :meth:`check_batch`, without the host read: compared on the device, read by :meth:`verify_batches`."""
+        if ctx.size("tp") > 1:
+            self.batches.observe(args[0] if args else kwargs.get("batch"), ctx.group("tp"))
+
+    def verify_batches(self) -> None:
+        """Before the optimizer step: one host read of every :meth:`observe_batch` since the last step."""
+        self.batches.verify()
 
     def before_backward(
         self, accumulation: int, ctx: ParallelContext, grad_scaler: torch.amp.GradScaler | None

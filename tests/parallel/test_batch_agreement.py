@@ -122,3 +122,93 @@ def test_moe_strategy_refuses_tensor_parallel_ranks_with_different_batches(tmp_p
             assert "tensor-parallel group [0, 1] received different batches" in outcome
         else:
             assert outcome == "trained 2 steps"
+
+
+def _count_check_reads_tp2_accumulating(rank: int, world: int) -> tuple[int, int]:
+    """(host reads made by the batch check, optimizer steps) of a TP=2 fit accumulating 4 micro-batches."""
+    import sys
+
+    import lightning_moe.parallel.batch_agreement as agreement
+
+    reads = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in ("__bool__", "item", "tolist")}
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            # Only reads made by the check's own module: the loop, the loss and the logging read too.
+            if sys._getframe(1).f_code.co_filename == agreement.__file__:
+                reads[0] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        config = MoETransformerConfig(
+            vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=4, num_kv_heads=2,
+            ffn_hidden_size=64, moe=MoEConfig(32, 16, 4, top_k=2),
+        )
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=MoEStrategy(tensor_parallel_size=2, expert_parallel_size=1,
+                                                                   expert_tensor_parallel_size=1),
+            max_steps=2, accumulate_grad_batches=4, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+        )
+        trainer.fit(MoELanguageModel(config), DataLoader(RankSeededTokens(False), batch_size=2))
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return reads[0], trainer.global_step
+
+
+def test_batch_check_reads_the_host_once_per_optimizer_step(tmp_path):
+    """Accumulating 4 micro-batches, the check compares on the device and reads the result once per step."""
+    for reads, steps in run_distributed(_count_check_reads_tp2_accumulating, 2, timeout_s=120, tmp_dir=tmp_path):
+        assert steps == 2
+        assert reads == steps, f"{reads} host reads by the batch check in {steps} optimizer steps"
+
+
+class FirstBatchRankSeeded(RankSeededTokens):
+    """Only the first two samples loaded (the first micro-batch at batch size 2) are augmented per rank."""
+
+    loaded = 0
+
+    def __getitem__(self, index: int):
+        self.loaded += 1
+        return super().__getitem__(index) if self.loaded <= 2 else (self.data[index][:-1], self.data[index][1:])
+
+
+def _fit_tp2_first_micro_batch_differs(rank: int, world: int) -> tuple[str, int, bool]:
+    config = MoETransformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+        moe=MoEConfig(32, 16, 4, top_k=2),
+    )
+    model = MoELanguageModel(config)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=MoEStrategy(tensor_parallel_size=2, expert_parallel_size=1,
+                                                               expert_tensor_parallel_size=1),
+        max_steps=2, accumulate_grad_batches=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0,
+    )
+    before = None
+
+    class Snapshot(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            nonlocal before
+            before = [p.detach().clone() for p in pl_module.parameters()]
+
+    trainer.callbacks.append(Snapshot())
+    try:
+        trainer.fit(model, DataLoader(FirstBatchRankSeeded(True), batch_size=2))
+    except ValueError as err:
+        unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+        return str(err), trainer.global_step, unchanged
+    return "trained", trainer.global_step, False
+
+
+def test_a_differing_early_micro_batch_raises_before_the_optimizer_step(tmp_path):
+    for message, steps, unchanged in run_distributed(_fit_tp2_first_micro_batch_differs, 2, timeout_s=120,
+                                                     tmp_dir=tmp_path):
+        assert "tensor-parallel group [0, 1] received different batches" in message
+        assert "seed_everything(workers=True)" in message
+        assert (steps, unchanged) == (0, True), "the optimizer stepped on the differing batches"
