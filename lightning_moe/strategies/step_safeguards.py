@@ -42,6 +42,8 @@ class StepSafeguards:
         self.guard = GradientGuard(on_nonfinite_grads)
         self.loss_scale: LossGradScale | None = None
         self.batches = BatchAgreement()
+        # The first training micro-batch is checked at once, before its forward (see observe_batch).
+        self._first_batch_checked = False
 
     def setup(
         self, model: nn.Module, ctx: ParallelContext, device: torch.device,
@@ -72,9 +74,19 @@ class StepSafeguards:
             check_same_batch(args[0] if args else kwargs.get("batch"), ctx.group("tp"))
 
     def observe_batch(self, args: tuple, kwargs: dict[str, Any], ctx: ParallelContext) -> None:
-        """As :meth:`check_batch`, without the host read: compared on the device, read by :meth:`verify_batches`."""
-        if ctx.size("tp") > 1:
-            self.batches.observe(args[0] if args else kwargs.get("batch"), ctx.group("tp"))
+        """As :meth:`check_batch`, without the host read: compared on the device, read by :meth:`verify_batches`.
+
+        The strategy's first training micro-batch is checked at once (one host read, once): a
+        systematic difference (per-rank augmentation, another sequence length) is then refused
+        before any forward, where mismatched tensors would meet in the TP collectives first.
+        """
+        if ctx.size("tp") <= 1:
+            return
+        if not self._first_batch_checked:
+            self._first_batch_checked = True
+            self.check_batch(args, kwargs, ctx)
+            return
+        self.batches.observe(args[0] if args else kwargs.get("batch"), ctx.group("tp"))
 
     def verify_batches(self) -> None:
         """Before the optimizer step: one host read of every :meth:`observe_batch` since the last step."""

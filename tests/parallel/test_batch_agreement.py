@@ -162,10 +162,11 @@ def _count_check_reads_tp2_accumulating(rank: int, world: int) -> tuple[int, int
 
 
 def test_batch_check_reads_the_host_once_per_optimizer_step(tmp_path):
-    """Accumulating 4 micro-batches, the check compares on the device and reads the result once per step."""
+    """Accumulating 4 micro-batches, the check compares on the device and reads the result once per step
+    (plus one read for the fit's first micro-batch, checked before its forward)."""
     for reads, steps in run_distributed(_count_check_reads_tp2_accumulating, 2, timeout_s=120, tmp_dir=tmp_path):
         assert steps == 2
-        assert reads == steps, f"{reads} host reads by the batch check in {steps} optimizer steps"
+        assert reads == steps + 1, f"{reads} host reads by the batch check in {steps} optimizer steps"
 
 
 class FirstBatchRankSeeded(RankSeededTokens):
@@ -212,3 +213,41 @@ def test_a_differing_early_micro_batch_raises_before_the_optimizer_step(tmp_path
         assert "tensor-parallel group [0, 1] received different batches" in message
         assert "seed_everything(workers=True)" in message
         assert (steps, unchanged) == (0, True), "the optimizer stepped on the differing batches"
+
+
+class RankLengthTokens(RankSeededTokens):
+    """Sequences one token shorter on rank 1: batches of another shape, which the TP collectives cannot run."""
+
+    def __getitem__(self, index: int):
+        inputs, targets = super().__getitem__(index)
+        cut = SEQ - torch.distributed.get_rank()
+        return inputs[:cut], targets[:cut]
+
+
+def _fit_tp2_shapes_differ(rank: int, world: int) -> tuple[str, int]:
+    config = MoETransformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
+        moe=MoEConfig(32, 16, 4, top_k=2),
+    )
+    model = MoELanguageModel(config)
+    forwards = [0]
+    model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=MoEStrategy(tensor_parallel_size=2, expert_parallel_size=1,
+                                                               expert_tensor_parallel_size=1),
+        max_steps=2, accumulate_grad_batches=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(model, DataLoader(RankLengthTokens(False), batch_size=2))
+    except Exception as err:  # any error: the test asserts which one it is
+        return f"{type(err).__name__}: {err}", forwards[0]
+    return "trained", forwards[0]
+
+
+def test_the_first_micro_batch_of_a_fit_is_checked_before_its_forward(tmp_path):
+    """Batches whose shapes differ across TP ranks (the usual systematic cause) are refused before any
+    forward runs: the step-end read alone would let the TP collectives meet mismatched tensors first."""
+    for message, forwards in run_distributed(_fit_tp2_shapes_differ, 2, timeout_s=60, tmp_dir=tmp_path):
+        assert "tensor-parallel group [0, 1] received different batches" in message, message
+        assert forwards == 0, f"{forwards} forward(s) ran on the differing batches"
