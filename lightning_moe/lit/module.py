@@ -362,14 +362,19 @@ class MoELanguageModel(L.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         """Validation loss and perplexity per target token, over every batch and rank."""
+        self._evaluate(batch, batch_idx, "validation", "val", self.val_loss, self.val_perplexity)
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], batch_idx: int, stage: str, prefix: str,
+                  loss: TokenMeanLoss, perplexity: Perplexity) -> None:
+        """Update and log ``<prefix>_loss`` and ``<prefix>_ppl`` with one batch."""
         inputs, targets = batch
-        check_batch(inputs, targets, "validation", batch_idx)
+        check_batch(inputs, targets, stage, batch_idx)
         logits = self(inputs)
         # Token-weighted (TokenMeanLoss): a batch without targets adds nothing instead of a 0.
-        self.val_loss(self._loss(logits, targets), (targets != IGNORE_INDEX).sum())
-        self.log("val_loss", self.val_loss, prog_bar=True)
-        self.val_perplexity(logits.float(), targets)
-        self.log("val_ppl", self.val_perplexity)
+        loss(self._loss(logits, targets), (targets != IGNORE_INDEX).sum())
+        self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val")
+        perplexity(logits.float(), targets)
+        self.log(f"{prefix}_ppl", perplexity)
 
     def check_token_ids(self, batch: Any, stage: str, batch_idx: int) -> None:
         """Refuse a batch holding a token id outside ``[0, vocab_size)``, naming it, its position and the fix.
@@ -408,13 +413,7 @@ class MoELanguageModel(L.LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         """``test_loss`` and ``test_ppl``: :meth:`validation_step`'s metrics on the test data (with
         :class:`~lightning_moe.lit.TextDataModule`, its held-out documents)."""
-        inputs, targets = batch
-        check_batch(inputs, targets, "test", batch_idx)
-        logits = self(inputs)
-        self.test_loss(self._loss(logits, targets), (targets != IGNORE_INDEX).sum())
-        self.log("test_loss", self.test_loss)
-        self.test_perplexity(logits.float(), targets)
-        self.log("test_ppl", self.test_perplexity)
+        self._evaluate(batch, batch_idx, "test", "test", self.test_loss, self.test_perplexity)
 
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:
         """Next-token log-probabilities ``[B, S, V]`` (fp32) of the inputs ``[B, S]``: entry ``[b, s, v]``
