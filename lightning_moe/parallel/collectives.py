@@ -54,10 +54,11 @@ def _all_gather_v(x: Tensor, sizes: list[int], group) -> Tensor:
     x = x.contiguous()
     parts[rank].copy_(x)
     ops = []
+    global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     for peer in range(world):
         if peer == rank:
             continue
-        peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+        peer_global = global_ranks[peer]
         if x.shape[0]:
             ops.append(dist.P2POp(dist.isend, x, peer_global, group=group))
         if sizes[peer]:

@@ -203,18 +203,7 @@ def prepare_model_once(
     return choices
 
 
-def _meta_tensors(model: nn.Module) -> dict[tuple[str, str], nn.Module]:
-    """``{(module name, tensor name): module}`` of every parameter and buffer still on the meta device."""
-    found = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for kind in (module._parameters, module._buffers):
-            for key, tensor in kind.items():
-                if tensor is not None and tensor.is_meta:
-                    found[(name, key)] = module
-    return found
-
-
-def _reset_roots(model: nn.Module, meta: dict[tuple[str, str], nn.Module]) -> list[tuple[str, nn.Module]]:
+def _reset_roots(model: nn.Module, meta: set[tuple[str, str]]) -> list[tuple[str, nn.Module]]:
     """The modules whose ``reset_parameters()`` re-draws the meta tensors, outermost first: the reference
     transformer and MoE layers holding any (they draw their whole subtree from their seeds), else
     each module owning one directly."""
@@ -257,7 +246,8 @@ def materialize(model: nn.Module, device: torch.device, group=None) -> None:
     models hold different modules). A tensor that had storage inside a re-initialised module gets
     its values back afterwards.
     """
-    meta = _meta_tensors(model)
+    # (module name, tensor name) of every parameter and buffer still on the meta device.
+    meta = {key for key, tensor in _subtree_tensors(model, "", True).items() if tensor.is_meta}
     if not meta:
         return
     roots = _reset_roots(model, meta)
