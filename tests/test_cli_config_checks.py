@@ -92,16 +92,21 @@ def test_seq_len_is_checked_against_cp_tp_and_max_seq_len(model, corpus):
     assert "data.seq_len=128 exceeds the model's max_seq_len=64" in problem
 
 
-@pytest.mark.parametrize("documents", [1, 4])
-def test_val_fraction_is_checked_with_the_data_modules_own_split(model, tmp_path, documents):
-    for i in range(documents):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i}\n" * 40)
+@pytest.mark.parametrize(("texts", "refused"), [
+    (["x"], True),  # one document of one character: nothing to cut in two
+    (["document\n" * 40], False),  # one document: cut at a line boundary
+    (["document\n" * 40] * 4, False),  # split by document
+], ids=["one-character", "one-document", "four-documents"])
+def test_val_fraction_is_checked_with_the_data_modules_own_split(model, tmp_path, texts, refused):
+    for i, text in enumerate(texts):
+        (tmp_path / f"doc{i}.txt").write_text(text)
     data = _data(tmp_path, val_fraction=0.5)
     try:  # the oracle: what the data module itself says when it reads the corpus
         data.setup("fit")
         expected = None
     except ValueError as err:
         expected = str(err)
+    assert (expected is not None) == refused, expected
     problems = config_problems(model, _data(tmp_path, val_fraction=0.5), MoEStrategy())
     if expected is None:
         assert problems == []

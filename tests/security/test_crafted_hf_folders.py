@@ -19,7 +19,7 @@ import pytest
 import torch
 from security.crafting import snapshot
 
-pytest.importorskip("safetensors")
+pytest.importorskip("safetensors", reason="the hf and test extras install safetensors")
 from safetensors.torch import save_file
 
 from lightning_moe.models.hf.io import INDEX_NAME, SafetensorsReader
@@ -70,8 +70,8 @@ def test_hub_cache_links_into_blobs_still_load(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
     """A tiny Qwen3-MoE folder (config.json, safetensors, tokenizer.json), copied by each test."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    pytest.importorskip("tokenizers", reason="the hf and test extras install tokenizers")
     from helpers.hf import tiny_models
 
     folder = tmp_path_factory.mktemp("tiny_hf") / "model"
