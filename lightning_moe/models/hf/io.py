@@ -174,8 +174,7 @@ class SafetensorsReader:
                 "belongs to another model family)."
             )
         file = self.weight_map[key]
-        if file not in self._handles:
-            weight_file(self.path, file, key)
+        if file not in self._handles:  # every listed file was checked by weight_file in __init__
             if not (self.path / file).is_file():
                 raise FileNotFoundError(
                     f"{self.path / file}, listed in {INDEX_NAME} for {key}, does not exist."
