@@ -371,7 +371,7 @@ class MoELanguageModel(L.LightningModule):
         check_batch(inputs, targets, stage, batch_idx)
         logits = self(inputs)
         # Token-weighted (TokenMeanLoss): a batch without targets adds nothing instead of a 0.
-        loss(self._loss(logits, targets), (targets != IGNORE_INDEX).sum())
+        loss(self._loss(logits, targets), self.pipeline_num_targets(targets))
         self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val")
         perplexity(logits.float(), targets)
         self.log(f"{prefix}_ppl", perplexity)
