@@ -1,0 +1,203 @@
+"""Per-rank memory of the real presets at their typical layouts, measured on one CPU process.
+
+Each preset of ``examples/configs/models/`` is built on the meta device and set up as one rank of
+a world of 64-1024 on torch's fake process group (``tests/scale/fake_world.py``): ``parallelize``
+applies the layout, then ``materialize`` gives the rank's shards storage and draws their values,
+as ``MoEStrategy`` does, but under ``FakeTensorMode``, so nothing is allocated and every allocation
+is counted (``torch.distributed._tools.mem_tracker.MemTracker``). Printed per layout, for the
+first and the last rank (the larger is shown):
+
+* ``params`` / ``grads`` / ``optimizer``: bytes of the rank's shards under ``bf16-mixed``: fp32
+  parameters (the master weights), fp32 gradients of the same local shapes, AdamW's two fp32
+  moments;
+* ``setup peak``: the largest live bytes while the shards are materialised and initialised, and
+  its ratio to the rank's parameter bytes (1.0 = nothing beyond the shard ever lived);
+* ``state_dict``: bytes that ``model.state_dict()`` allocates beyond the parameters it returns
+  (0 when every entry is a view of a held shard; a gather shows here);
+* ``Megatron w+o``: the weight-and-optimizer bytes of Megatron-LM's ``report_theoretical_memory``
+  formula (``megatron/training/theoretical_memory_usage.py``; not in the ``megatron-core`` wheel,
+  so it is evaluated here from its published definition): the whole model's parameters, experts
+  included, divided by TP (and the blocks by PP), times 18 bytes per parameter (bf16 weights, fp32
+  gradients, fp32 master weights and two moments), or ``6 + 12 / DP`` with the distributed
+  optimizer. It divides routed experts by TP, not by EP x ETP, so it differs from the layout's
+  arithmetic wherever EP x ETP != TP.
+
+What this cannot show: the first training step's transients (the token dispatch needs
+data-dependent sizes, and a fake step of these models would need forced routing), allocator
+fragmentation, communicator buffers and GPU streams. ``benchmarks/gpu_check.sh`` measures the
+setup peak against the shard with ``torch.cuda.max_memory_allocated`` on a real GPU.
+
+    python benchmarks/scale_memory.py                      # the table, about a minute on 2 cores
+    python benchmarks/scale_memory.py --output scale.md    # also as markdown
+    python benchmarks/scale_memory.py --quick              # the first layout only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # scale harness
+
+from models.test_presets import load_preset
+from scale.fake_world import fake_rank, local_numel
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_moe.models import MoETransformer, MoETransformerConfig
+from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
+from lightning_moe.strategies.model_setup import materialize
+
+GIB = 2**30
+
+# (preset, layout, sharding): what a user would pick for each model at its scale.
+LAYOUTS = [
+    ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=8, etp=1), "NO_SHARD"),
+    ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=4, etp=2), "NO_SHARD"),
+    ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1), "NO_SHARD"),
+    ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1), "NO_SHARD"),
+]
+
+
+class NewStorageCounter(TorchDispatchMode):
+    """Peak live bytes of storages that ops create, other than the ``known`` ones (by ``_cdata``):
+    what a call allocates beyond the tensors it returns views of."""
+
+    def __init__(self, known: set[int]):
+        super().__init__()
+        self.known, self.live, self.peak = known, 0, 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor.untyped_storage())
+        return out
+
+    def _count(self, storage) -> None:
+        key = storage._cdata
+        if key in self.known or key in self._seen:
+            return
+        self._seen.add(key)
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, storage.nbytes())
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+
+def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    tensors = [*model.parameters(), *model.buffers()]
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
+@dataclass
+class Row:
+    """One rank's measured and computed bytes."""
+
+    local_params: int
+    setup_peak: int
+    state_dict_extra: int
+    megatron: float
+
+    @property
+    def params(self) -> int:
+        return 4 * self.local_params
+
+
+def megatron_weight_and_optimizer_bytes(config: MoETransformerConfig, dims: ParallelDims, distributed: bool) -> float:
+    """Megatron-LM's ``report_theoretical_memory`` weight-and-optimizer bytes (module docstring),
+    from the global parameter count: blocks / PP plus one embedding, all / TP, untied head added
+    at PP=1."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    embedding = config.vocab_size * config.hidden_size
+    total = sum(p.numel() for p in model.parameters())
+    head = 0 if config.tie_embeddings else embedding
+    blocks = total - embedding - head
+    shard = (blocks / dims.pp + embedding) / dims.tp
+    if head and dims.pp == 1:
+        shard += head / dims.tp
+    per_param = 6 + 12 / dims.dp if distributed else 18
+    return shard * per_param
+
+
+def measure_rank(config: MoETransformerConfig, dims: ParallelDims, sharding: str, rank: int) -> Row:
+    """Set up ``rank`` of ``dims`` under FakeTensorMode and count what it allocates."""
+    with fake_rank(rank, dims.world_size):
+        with torch.device("meta"):
+            model = MoETransformer(config)
+        ctx = build_parallel_context(dims, "cpu")
+        parallelize(model, ctx, sharding_strategy=sharding)
+        local = sum(local_numel(p) for p in model.parameters())
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            setup = MemTracker()
+            with setup:
+                materialize(model, torch.device("cpu"))
+            setup_peak = setup.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+            held = {t.untyped_storage()._cdata for t in _local_tensors(model)}
+            with NewStorageCounter(held) as saving:
+                state = model.state_dict()
+            extra = saving.peak
+            del state
+    megatron = megatron_weight_and_optimizer_bytes(config, dims, distributed=sharding != "NO_SHARD")
+    return Row(local, setup_peak, extra, megatron)
+
+
+def layout_name(dims: ParallelDims, sharding: str) -> str:
+    """A short layout label."""
+    parts = [f"W{dims.world_size}", f"TP{dims.tp}", f"EP{dims.ep}"]
+    parts += [f"ETP{dims.etp}"] if dims.etp > 1 else []
+    parts += [f"PP{dims.pp}"] if dims.pp > 1 else []
+    return " ".join(parts) + ("" if sharding == "NO_SHARD" else f" {sharding}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", help="also write the table as markdown to this file")
+    parser.add_argument("--quick", action="store_true", help="the first layout only")
+    args = parser.parse_args(argv)
+    layouts = LAYOUTS[:1] if args.quick else LAYOUTS
+    header = ("| preset | layout | local params | params GiB | grads GiB | optimizer GiB | setup peak GiB "
+              "| setup peak / params | state_dict extra GiB | Megatron w+o GiB | ours w+o GiB |")
+    lines = [
+        "### Per-rank bytes at scale (bf16-mixed, AdamW; fake process group, FakeTensorMode)",
+        "",
+        header,
+        "|" + "---|" * (header.count("|") - 1),
+    ]
+    print("\n".join(lines), flush=True)
+    for name, dims, sharding in layouts:
+        started = time.perf_counter()
+        config = load_preset(name)
+        rows = [measure_rank(config, dims, sharding, rank) for rank in (0, dims.world_size - 1)]
+        row = max(rows, key=lambda r: (r.setup_peak, r.local_params))
+        ours = row.params * 4  # fp32 params + fp32 grads + two fp32 moments: 16 bytes per element
+        line = (
+            f"| {name} | {layout_name(dims, sharding)} | {row.local_params / 1e9:.3f}B | {row.params / GIB:.2f} "
+            f"| {row.params / GIB:.2f} | {2 * row.params / GIB:.2f} | {row.setup_peak / GIB:.2f} "
+            f"| {row.setup_peak / row.params:.2f} | {row.state_dict_extra / GIB:.2f} "
+            f"| {row.megatron / GIB:.2f} | {ours / GIB:.2f} |"
+        )
+        lines.append(line)
+        print(line, f"<!-- {time.perf_counter() - started:.1f} s -->", flush=True)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
