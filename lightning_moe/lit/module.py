@@ -3,8 +3,8 @@
 Written for one device like any LightningModule; ``Trainer(strategy=MoEStrategy(...))`` makes it
 parallel. It logs what people look at while training a language model: ``train_loss`` (progress
 bar), ``val_loss`` and ``val_ppl`` (per target token, torchmetrics metrics; the same values under
-pipeline parallelism), the learning rate and ``tokens_per_sec`` (global tokens consumed per second
-of wall time). ``Trainer.test`` logs the validation metrics as ``test_loss`` and ``test_ppl``;
+pipeline parallelism), the learning rate and ``tokens_per_sec`` (global tokens per second of host
+wall time spent in the training step: :meth:`MoELanguageModel.on_train_batch_end`). ``Trainer.test`` logs the validation metrics as ``test_loss`` and ``test_ppl``;
 ``Trainer.predict`` returns next-token log-probabilities (:meth:`MoELanguageModel.predict_step`).
 A micro-batch whose targets are all ``IGNORE_INDEX`` has loss 0 (no NaN, no gradient); an empty
 batch is refused.
@@ -438,6 +438,15 @@ class MoELanguageModel(L.LightningModule):
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """Log ``tokens_per_sec``: the batch's tokens on all data-parallel replicas over the host wall
+        time since :meth:`on_train_batch_start` (forward, backward, gradient reduction and optimizer
+        step as the host issues them; data loading and logging are outside).
+
+        It adds no device synchronisation: on CUDA the host runs ahead of the device until something
+        reads a device value, so one step's figure may include part of a neighbouring step's device
+        time. Averaged over steps, as loggers plot it, it is the training step's throughput; time
+        single steps with CUDA events or a profiler instead.
+        """
         if self._step_started is None:
             return
         elapsed = time.perf_counter() - self._step_started

@@ -12,8 +12,12 @@ point-to-point sends and receives: each rank sends its own rows (the same tensor
 receives each peer's rows straight into its slice of the output, so nothing but the output is
 allocated (an ``all_to_all_single`` would need the rows copied once per peer, and padding to the
 largest count a ``world x largest`` buffer; NCCL runs its all-to-all as the same grouped sends and
-receives). An uneven reduce-scatter is an ``all_to_all_single`` of the rows as they are (no copy).
-Sizes are host lists: the caller has already paid the one device-to-host read a dropless dispatch
+receives). An uneven reduce-scatter runs in ``world - 1`` rounds on a ring: in round ``s`` each
+rank sends its copy of rank ``r + s``'s rows and receives rank ``r - s``'s copy of its own into one
+buffer, added to the output before the next round, so it allocates the output and that buffer
+(twice the rows it keeps); receiving every peer's copy at once, as one all-to-all, holds
+``world x`` the kept rows. The sum then rounds once per round, as NCCL's ring reduce-scatter of
+equal sizes does; small ETP groups keep the extra rounds' latency low. Sizes are host lists: the caller has already paid the one device-to-host read a dropless dispatch
 needs, and nothing here reads the device.
 """
 
@@ -32,6 +36,10 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _global_ranks(group, world: int) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(world))
 
 
 def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
@@ -54,7 +62,7 @@ def _all_gather_v(x: Tensor, sizes: list[int], group) -> Tensor:
     x = x.contiguous()
     parts[rank].copy_(x)
     ops = []
-    global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    global_ranks = _global_ranks(group, world)
     for peer in range(world):
         if peer == rank:
             continue
@@ -77,9 +85,24 @@ def _reduce_scatter_v(x: Tensor, sizes: list[int], group) -> Tensor:
         out = x.new_empty((sizes[rank], *x.shape[1:]))
         _reduce_scatter_flat(out, x.contiguous(), group=group)
         return out
-    # Rank j receives every rank's copy of its own rows and sums them.
-    received = _all_to_all(x, [sizes[rank]] * world, sizes, group)
-    return received.view(world, sizes[rank], *x.shape[1:]).sum(0)
+    # A ring (module docstring): round s sends rank r+s its rows and adds rank r-s's copy of ours.
+    parts = x.contiguous().split(sizes)
+    out = parts[rank].clone()
+    received = torch.empty_like(out)
+    global_ranks = _global_ranks(group, world)
+    for shift in range(1, world):
+        to, source = (rank + shift) % world, (rank - shift) % world
+        ops = []
+        if sizes[to]:
+            ops.append(dist.P2POp(dist.isend, parts[to], global_ranks[to], group=group))
+        if sizes[rank]:
+            ops.append(dist.P2POp(dist.irecv, received, global_ranks[source], group=group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if sizes[rank]:
+            out.add_(received)
+    return out
 
 
 class _AllToAll(torch.autograd.Function):

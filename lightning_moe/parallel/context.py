@@ -22,20 +22,29 @@ member lists coincide (at TP=1 with EP=DP, ``ep`` and ``dp`` both span the world
 Within a class, names with the same members share one object (``ep`` and ``etp_ep`` at ETP=1 are
 one communicator; ``dp`` and ``dp_cp`` at CP=1 another): their collectives are issued one after the
 other by the same code anyway, and every distinct communicator costs a connection (NCCL: its own
-buffers on the device). The pipeline names (``pp tp_pp etp_ep_pp``) carry no collective yet and
-stay in the second class.
+buffers on the device, and with ``device_id`` bound an eager ``ncclCommSplit`` that every rank of
+the world joins). So a context creates only what the layout uses:
+
+* no one-rank groups: a size-1 axis needs no communicator. Every size-1 name of this rank gets
+  one shared stand-in, a one-rank group on torch's communication-free ``fake`` backend that this
+  rank creates alone (``use_local_synchronization``; no other rank joins, nothing connects). Its
+  collectives are the identity, which is what a collective over one rank computes, so callers and
+  the size-1 mesh dims use it like any group (tests/parallel/test_context.py checks each
+  collective the package uses);
+* a reduction-class name that spans the world (``tp_dp_cp`` whenever PP=1) is the default
+  process group, as ``DeviceMesh`` does for a world-sized dim (its timeout is the default
+  group's; the Lightning strategy sets both to its ``timeout``);
+* `UNBUILT_GROUPS` (``tp_pp etp_ep_pp``, the pipeline composites) get no process group: no code
+  communicates on them. Their ranks are known (``ctx.ranks``); ``ctx.group`` says how to build one.
 
 Cost: ``torch.distributed.new_group`` is collective over the whole world (every rank must call it
 for every group, in the same order, members or not), so building a context makes one call per
-distinct member list in each class over all `GROUP_NAMES` (at most ``len(GROUP_NAMES) *
-world_size``, far fewer after de-duplication). Non-member calls are cheap bookkeeping; member
-calls connect the group (gloo) or are lazy until first use (nccl without a bound device). Measured
-on CPU: 512 fake ranks build in ~20 ms, seven layouts on 4 forked gloo ranks in well under a
-second including the fork.
-``use_local_synchronization=True`` would let non-members skip the call, but it names groups by a
-hash of their members, so a second context over the same member lists (a rebuilt strategy, several
-layouts in one test) would fail with a duplicate group name. The meshes are built with
-``DeviceMesh.from_group`` on these same groups, so they create no extra process groups.
+distinct member list of two ranks or more in each class, over the built names: at world 64, TP=8,
+EP=8 that is 16 calls (8 TP blocks, 8 DP groups), where one group per list and name made 153.
+``use_local_synchronization=True`` would let non-members skip those calls, but it names groups by
+a hash of their members and of the number of groups this process already has, which then differs
+between members and hangs the rendezvous. The meshes are built with ``DeviceMesh.from_group`` on
+these same groups, so they create no extra process groups.
 """
 
 from __future__ import annotations
@@ -51,21 +60,25 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.parallel.dims import GROUP_NAMES, MESH_DIM_NAMES, ParallelDims, RankCoords
 
-__all__ = ["CRITICAL_PATH_GROUPS", "ParallelContext", "build_parallel_context"]
+__all__ = ["CRITICAL_PATH_GROUPS", "UNBUILT_GROUPS", "ParallelContext", "build_parallel_context"]
 
 CRITICAL_PATH_GROUPS = frozenset({"tp", "cp", "tp_cp", "ep", "etp", "etp_ep"})
 """Group names whose communicators are never shared with the gradient reductions' (module docstring)."""
 
+UNBUILT_GROUPS = frozenset({"tp_pp", "etp_ep_pp"})
+"""Group names no code communicates on: a context knows their ranks but creates no process group."""
+
 
 @dataclass(frozen=True, eq=False)
 class ParallelContext:
-    """This rank's view of a parallel layout: one process group per name, and the device meshes.
+    """This rank's view of a parallel layout: its process group of each name, and the device meshes.
 
     Built by `build_parallel_context`; immutable. Group names are `GROUP_NAMES`
-    (``tp cp dp dp_cp tp_cp tp_dp_cp pp tp_pp ep etp edp etp_ep etp_ep_pp``). Names whose
-    member lists coincide share one process group object only if both are in
-    `CRITICAL_PATH_GROUPS` or both are not: token dispatch never shares a communicator with the
-    gradient reductions (module docstring).
+    (``tp cp dp dp_cp tp_cp tp_dp_cp pp tp_pp ep etp edp etp_ep etp_ep_pp``); `UNBUILT_GROUPS`
+    have ranks but no process group. Names whose member lists coincide share one process group
+    object only if both are in `CRITICAL_PATH_GROUPS` or both are not: token dispatch never shares
+    a communicator with the gradient reductions. Size-1 names share one communication-free
+    stand-in (module docstring).
     """
 
     dims: ParallelDims
@@ -93,8 +106,18 @@ class ParallelContext:
         return self.dims.coords(self.global_rank)
 
     def group(self, name: str) -> dist.ProcessGroup:
-        """The process group of kind ``name`` that contains this rank."""
-        return self._groups[_check_name(name)]
+        """The process group of kind ``name`` that contains this rank.
+
+        For a size-1 name: a one-rank group without a communicator (its collectives are the
+        identity). Raises `ValueError` for `UNBUILT_GROUPS`."""
+        if _check_name(name) in UNBUILT_GROUPS:
+            raise ValueError(
+                f"no process group is built for {name!r} (ranks {list(self._members[name])}): nothing in "
+                f"lightning_moe communicates on it. To use one, create it on every rank, in the same "
+                f"order: for ranks in ctx.dims.groups({name!r}): group = torch.distributed.new_group(ranks), "
+                f"keeping the one that contains this rank"
+            )
+        return self._groups[name]
 
     def ranks(self, name: str) -> list[int]:
         """Global ranks of this rank's ``name`` group, ascending (group rank i is ``ranks[i]``)."""
@@ -138,19 +161,28 @@ def build_parallel_context(
         )
     rank = dist.get_rank()
     groups: dict[str, dist.ProcessGroup] = {}
-    members: dict[str, tuple[int, ...]] = {}
-    # One process group per distinct (class, member list). Every rank walks the same names and
-    # lists in the same order, which is what new_group requires (its default names are a global
-    # counter).
+    members = {name: tuple(dims.group_of(name, rank)) for name in GROUP_NAMES}
+    # One process group per distinct (class, member list) of two ranks or more. Every rank walks the
+    # same names and lists in the same order, which is what new_group requires (its default names
+    # are a global counter).
     created: dict[tuple[bool, tuple[int, ...]], dist.ProcessGroup | None] = {}
-    for name in GROUP_NAMES:
+    built = [name for name in GROUP_NAMES if name not in UNBUILT_GROUPS]
+    for name in built:
         critical = name in CRITICAL_PATH_GROUPS
         for group_ranks in dims.groups(name):
             key = (critical, tuple(group_ranks))
-            if key not in created:
+            if len(group_ranks) == 1 or key in created:
+                continue
+            if not critical and len(group_ranks) == world_size:
+                created[key] = dist.group.WORLD
+            else:
                 created[key] = dist.new_group(list(key[1]), timeout=timeout, group_desc=f"lightning_moe_{name}")
-            if rank in key[1]:
-                groups[name], members[name] = created[key], key[1]
+    one_rank = [name for name in built if len(members[name]) == 1]
+    # After every world-wide call: this rank alone creates it, so it must not sit between them.
+    stand_in = _one_rank_group(timeout) if one_rank else None
+    for name in built:
+        critical = name in CRITICAL_PATH_GROUPS
+        groups[name] = stand_in if name in one_rank else created[(critical, members[name])]
 
     dense_mesh, expert_mesh = (
         _mesh_from_groups(dims, kind, groups, device_type) for kind in ("dense", "expert")
@@ -163,6 +195,20 @@ def build_parallel_context(
         expert_mesh=expert_mesh,
         _groups=MappingProxyType(groups),
         _members=MappingProxyType(members),
+    )
+
+
+def _one_rank_group(timeout: timedelta | None) -> dist.ProcessGroup:
+    """This rank alone as a group on the ``fake`` backend: no communicator, no other rank joins.
+
+    A collective over one rank is the identity, and the fake backend computes exactly that for a
+    group of size 1 (it copies inputs to outputs and reduces nothing). torch registers the backend
+    in the module imported here (shipped with torch, used by ``DeviceMesh`` for disabled dims)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    return dist.new_group(
+        [dist.get_rank()], timeout=timeout, backend="fake", use_local_synchronization=True,
+        group_desc="lightning_moe_one_rank",
     )
 
 

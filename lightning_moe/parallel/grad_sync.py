@@ -22,7 +22,21 @@ after ``zero_grad(set_to_none=True)``, Lightning's default) is copied into its s
 ``DTensor.from_local``; a tensor-replicated one is held as ``Partial`` until reduced, so that
 later micro-batches add their partial sums in place); later micro-batches accumulate into the
 view in place and ``zero_grad(set_to_none=False)`` zeroes it. After the all-reduce nothing is
-written back.
+written back. That one copy per parameter and step is the cheapest way into a flat buffer for a
+gradient autograd allocated: keeping the views through ``zero_grad`` instead would zero the
+buffer and add the new gradient to it (Megatron's grad buffer without its fused weight-gradient
+kernels), more memory traffic for the same result. Nothing else is allocated or copied per step
+(a replicated gradient of a sharded parameter is sliced, not redistributed, on its way in).
+
+Parameters narrower than fp32 (``bf16-true``, ``16-true``) are reduced in fp32 by default, as
+Megatron's ``grad_reduce_in_fp32``: at its launch a bucket is copied to fp32, pre-scaled and summed
+there, and rounded once, back into its slots, when it is waited for; summed in bf16 instead, every
+step of the ring rounds (at four ranks a quarter of the elements then miss the correctly rounded
+mean: tests/parallel/test_grad_sync_reduce.py). At most `FP32_BUCKETS_IN_FLIGHT` buckets are held
+in fp32 at a time: launching one more first waits for the oldest, so the transient is two buckets
+in fp32 (4 x ``bucket_size_mb`` MiB for bf16), not an fp32 copy of every gradient. Micro-batches still accumulate in the parameter's dtype (``param.grad``
+has it); Megatron also accumulates in fp32, in a persistent fp32 buffer twice the gradients'
+size. ``grad_reduce_in_fp32=False`` reduces in the parameter dtype.
 
 Reduction overlaps the backward pass: a post-accumulate-grad hook marks each parameter ready and
 a bucket is launched (asynchronously) as soon as it and every bucket before it are ready, so all
@@ -55,11 +69,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
 
-__all__ = ["GradSync", "reduce_group_name"]
+__all__ = ["FP32_BUCKETS_IN_FLIGHT", "GradSync", "reduce_group_name"]
+
+FP32_BUCKETS_IN_FLIGHT = 2
+"""Buckets held in fp32 at once while narrower gradients are reduced in fp32 (module docstring)."""
 
 
 def reduce_group_name(param: Tensor) -> str:
@@ -75,21 +93,36 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _local_grad(param: Tensor, tp_size: int) -> Tensor:
-    """This rank's contribution to the sum of ``param``'s gradient, in the parameter's local shape."""
+_Block = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _land_grad(param: Tensor, slot: Tensor, tp_size: int, block: _Block | None) -> None:
+    """Write this rank's contribution to the sum of ``param``'s gradient into ``slot`` (one pass).
+
+    ``block``: shape and global offset of this rank's block of a DTensor ``param``."""
     grad = param.grad
     if not isinstance(grad, DTensor):
-        return grad
+        slot.copy_(grad)
+        return
     replicated = reduce_group_name(param) == "tp_dp_cp"
     if replicated and any(isinstance(p, Partial) for p in grad.placements):
-        return grad.to_local()  # a partial sum: exactly what the reduction adds up
+        slot.copy_(grad.to_local())  # a partial sum: exactly what the reduction adds up
+        return
     if isinstance(param, DTensor) and grad.placements != param.placements:
-        # e.g. Replicate -> Shard: a slice; Partial -> Shard: a reduce-scatter over TP.
-        grad = grad.redistribute(param.device_mesh, param.placements)
-    local = grad.to_local()
+        if all(isinstance(p, Replicate) for p in grad.placements):
+            # This rank's block of the full gradient, as a view: redistribute would copy it first.
+            shape, offset = block
+            local = grad.to_local()
+            for dim, (size, start) in enumerate(zip(shape, offset)):
+                local = local.narrow(dim, start, size)
+        else:  # e.g. Partial -> Shard: a reduce-scatter over TP
+            local = grad.redistribute(param.device_mesh, param.placements).to_local()
+    else:
+        local = grad.to_local()
     if replicated and tp_size > 1:
-        local = local / tp_size  # already summed over TP; the reduction below sums it again
-    return local
+        torch.div(local, tp_size, out=slot)  # already summed over TP; the reduction sums it again
+    else:
+        slot.copy_(local)
 
 
 def _accumulating_placements(param: Tensor) -> tuple | None:
@@ -118,6 +151,8 @@ class _Bucket:
     params: list[nn.Parameter]
     group_name: str
     dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    """The dtype the collective sums in: ``dtype``, or fp32 for narrower ones (module docstring)."""
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
     """Gradient elements; the flags follow them in ``buffer``."""
@@ -129,6 +164,10 @@ class _Bucket:
     missing: list[int] = field(default_factory=list)
     """Parameters without a gradient on this rank at the last launch."""
     handle: object | None = None
+    staging: Tensor | None = None
+    """While an fp32 reduction of a narrower bucket is in flight: ``buffer`` in ``reduce_dtype``."""
+    launched: bool = False
+    """A collective summed this bucket since the last `GradSync.finish` (its flags are sums)."""
 
     def is_ready(self) -> bool:
         return len(self.ready) == len(self.params)
@@ -150,6 +189,9 @@ class GradSync:
         overlap: launch buckets during backward (False: everything in :meth:`finish`).
         explicit_backward: the hooks act only between :meth:`begin_backward` and
             :meth:`end_backward` (default False: during every backward).
+        grad_reduce_in_fp32: sum gradients of parameters narrower than fp32 (bf16, fp16) in fp32
+            (default, Megatron's ``grad_reduce_in_fp32``); False: in the parameter dtype, with
+            half the transient and more rounding (module docstring).
     """
 
     def __init__(
@@ -160,8 +202,11 @@ class GradSync:
         overlap: bool = True,
         *,
         explicit_backward: bool = False,
+        grad_reduce_in_fp32: bool = True,
     ) -> None:
         self.ctx = ctx
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
+        """Narrower gradients are summed in fp32."""
         self.scale = 1.0 / (ctx.size("dp") * ctx.size("cp"))
         self.overlap = overlap
         """Launch buckets during backward (False: everything in :meth:`finish`)."""
@@ -172,8 +217,14 @@ class GradSync:
         self._sync_enabled = True
         self._pending = False
         self._next_launch = 0
+        self._staged: list[_Bucket] = []  # buckets whose fp32 copy is alive, oldest first
         self.buckets = self._make_buckets(module, int(bucket_size_mb * 2**20))
         self._bucket_of = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+        # Fixed per parameter; computed here, not per step (torch's helper allocates index tensors).
+        self._blocks: dict[int, _Block] = {
+            id(p): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            for b in self.buckets for p in b.params if isinstance(p, DTensor)
+        }
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
             for b in self.buckets
@@ -190,13 +241,17 @@ class GradSync:
             numel = _local(p).numel()
             bucket = open_buckets.get(key)
             if bucket is None or (bucket.numel + numel) * _local(p).element_size() > cap_bytes:
-                bucket = _Bucket([], *key)
+                bucket = _Bucket([], *key, reduce_dtype=self._reduce_dtype(key[1]))
                 buckets.append(bucket)
                 open_buckets[key] = bucket
             bucket.params.append(p)
             bucket.offsets.append(bucket.numel)
             bucket.numel += numel
         return buckets
+
+    def _reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        narrower = dtype.is_floating_point and torch.finfo(dtype).bits < 32
+        return torch.float32 if self.grad_reduce_in_fp32 and narrower else dtype
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -257,7 +312,7 @@ class GradSync:
                 f"{slot.device}, but the parameter is now {_local(param).dtype} with its gradient on "
                 f"{local.device}: build GradSync after the model's final .to(device, dtype)."
             )
-        slot.copy_(_local_grad(param, self._tp))
+        _land_grad(param, slot, self._tp, self._blocks.get(id(param)))
         param.grad = self._wrap(param, slot, _accumulating_placements(param))
 
     # -- reduction ------------------------------------------------------------------------------
@@ -288,15 +343,35 @@ class GradSync:
             self._allocate(bucket)
         for j in bucket.missing:
             bucket.slots[j].zero_()
+        if self.ctx.size(bucket.group_name) == 1:
+            if self.scale != 1.0:  # one product: rounded once in any dtype
+                bucket.buffer[: bucket.numel].mul_(self.scale)
+            return
+        # Flags written on the device (no host list to copy): 1 where this rank had a gradient.
+        flags = bucket.flags()
+        flags.fill_(1)
+        for j in bucket.missing:
+            flags[j].fill_(0)
+        reduced = bucket.buffer
+        if bucket.reduce_dtype != bucket.dtype:
+            while len(self._staged) >= FP32_BUCKETS_IN_FLIGHT:
+                self._drain(self._staged[0])
+            reduced = bucket.staging = bucket.buffer.to(bucket.reduce_dtype)
+            self._staged.append(bucket)
         if self.scale != 1.0:
-            bucket.buffer[: bucket.numel].mul_(self.scale)
-        if self.ctx.size(bucket.group_name) > 1:
-            # Flags written on the device (no host list to copy): 1 where this rank had a gradient.
-            flags = bucket.flags()
-            flags.fill_(1)
-            for j in bucket.missing:
-                flags[j].fill_(0)
-            bucket.handle = dist.all_reduce(bucket.buffer, group=self.ctx.group(bucket.group_name), async_op=True)
+            reduced[: bucket.numel].mul_(self.scale)
+        bucket.handle = dist.all_reduce(reduced, group=self.ctx.group(bucket.group_name), async_op=True)
+        bucket.launched = True
+
+    def _drain(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s collective; an fp32 sum is rounded back into its slots and freed."""
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.handle = None
+        if bucket.staging is not None:
+            bucket.buffer.copy_(bucket.staging)
+            bucket.staging = None
+            self._staged.remove(bucket)
 
     def finish(self) -> None:
         """Launch the remaining buckets and wait for all of them; the gradients are then reduced.
@@ -310,11 +385,10 @@ class GradSync:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.wait()
+            self._drain(bucket)
         # A parameter that had a gradient here has one after the sum; only the others' flags are
         # read, all buckets in one device-to-host copy (none at all in the usual case).
-        unread = [b for b in self.buckets if b.missing and b.handle is not None]
+        unread = [b for b in self.buckets if b.missing and b.launched]
         counts = torch.cat([b.flags().float() for b in unread]).tolist() if unread else []
         had_somewhere: dict[int, set[int]] = {}
         for bucket in unread:
@@ -329,7 +403,7 @@ class GradSync:
                     p.grad = self._wrap(p, bucket.slots[j], tuple(p.placements) if isinstance(p, DTensor) else None)
             bucket.ready.clear()
             bucket.missing = []
-            bucket.handle = None
+            bucket.launched = False
         self._next_launch = 0
         self._pending = False
 

@@ -87,6 +87,8 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
             (PyTorch FSDP2, dense over DP x CP, experts over EDP: :mod:`lightning_moe.parallel.fully_shard`).
         order: rank order of the folded layout, ``"tp-cp-ep-dp-pp"`` or ``"tp-cp-ep-pp-dp"``.
         bucket_size_mb: gradient reduction bucket size.
+        grad_reduce_in_fp32: under ``NO_SHARD``, sum bf16/fp16 parameters' gradients in fp32 (default, Megatron's
+            flag; two buckets in fp32 at a time), or in their own dtype (False): ``GradSync``.
         save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file.
         verify_checkpoints: check the SHA-256 of every file on load (``meta.pt``, ``.metadata``, the
             shards; recorded at save); False skips the checksums for very large checkpoints on
@@ -139,6 +141,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         sharding_strategy: str = "NO_SHARD",
         order: str = "tp-cp-ep-dp-pp",
         bucket_size_mb: float = 25.0,
+        grad_reduce_in_fp32: bool = True,
         save_distributed_checkpoint: bool = True,
         verify_checkpoints: bool = True,
         start_method: str = "popen",
@@ -170,6 +173,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         self.order, self.dispatcher, self.flex_backend, self.cp_comm_type = order, dispatcher, flex_backend, cp_comm_type
         self.sharding_strategy = check_sharding_strategy(sharding_strategy)
         self.bucket_size_mb = bucket_size_mb
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self._startup_timeout = startup_timeout if startup_timeout is not None else timeout
         self._context: ParallelContext | None = None
@@ -337,7 +341,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
             if self._grad_sync is None:
                 self._grad_sync = make_grad_sync(
                     self.sharding_strategy, self.model, self.parallel_context, self.bucket_size_mb,
-                    trainer.lightning_module.automatic_optimization,
+                    trainer.lightning_module.automatic_optimization, self.grad_reduce_in_fp32,
                 )
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)

@@ -64,11 +64,16 @@ def check_sharding_combination(
 
 
 def make_grad_sync(
-    sharding_strategy: str, model: nn.Module, ctx: ParallelContext, bucket_size_mb: float, automatic_optimization: bool
+    sharding_strategy: str, model: nn.Module, ctx: ParallelContext, bucket_size_mb: float, automatic_optimization: bool,
+    grad_reduce_in_fp32: bool = True,
 ) -> GradSync | ShardedGradSync:
-    """The gradient synchronisation of the strategy's model."""
+    """The gradient synchronisation of the strategy's model (``grad_reduce_in_fp32``: see `GradSync`;
+    FSDP2 reduces in its `MixedPrecisionPolicy`'s dtype instead)."""
     if sharding_strategy != "NO_SHARD":
         return ShardedGradSync(model, ctx)  # FSDP2 reduces during backward
     # Manual optimization may run several backward passes before one step: reduce at the step (or
     # on clipping / finish_grad_sync) instead of during backward.
-    return GradSync(model, ctx, bucket_size_mb, overlap=automatic_optimization, explicit_backward=True)
+    return GradSync(
+        model, ctx, bucket_size_mb, overlap=automatic_optimization, explicit_backward=True,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+    )

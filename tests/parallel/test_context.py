@@ -12,7 +12,10 @@ from helpers.dist import run_distributed
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_moe.parallel import GROUP_NAMES, ParallelDims, build_parallel_context
+from lightning_moe.parallel.context import UNBUILT_GROUPS
 from lightning_moe.parallel.dims import TP_PP_DP_ORDER
+
+BUILT = [name for name in GROUP_NAMES if name not in UNBUILT_GROUPS]
 
 # Generous: the three large builds take well under a second; this only catches a quadratic blow-up.
 FAKE_BUILD_BUDGET_S = 20.0
@@ -47,7 +50,8 @@ def check_context_matches_dims(ctx, dims: ParallelDims, rank: int) -> None:
         assert ctx.ranks(name) == members, name
         assert ctx.size(name) == len(members), name
         assert ctx.rank_in(name) == members.index(rank), name
-        assert dist.get_process_group_ranks(ctx.group(name)) == members, name
+        if name in BUILT:
+            assert dist.get_process_group_ranks(ctx.group(name)) == members, name
     for mesh, kind in ((ctx.dense_mesh, "dense"), (ctx.expert_mesh, "expert")):
         layout = dims.mesh_layout(kind)
         assert mesh.mesh_dim_names == layout.dim_names
@@ -64,7 +68,7 @@ LARGE_LAYOUTS = [
     ParallelDims(64, tp=2, pp=2, etp=1, ep=8),
     ParallelDims(64, tp=2, cp=2, pp=2, etp=1, ep=4, order=TP_PP_DP_ORDER),
     ParallelDims(512, tp=8, cp=2, pp=4, etp=1, ep=16),
-    ParallelDims(512),  # pure DP: 512 singleton groups per axis, the most new_group calls
+    ParallelDims(512),  # pure DP: every axis but dp has size 1 (one local stand-in, no new_group per rank)
 ]
 
 
@@ -92,16 +96,25 @@ def test_context_is_immutable_and_checks_names(fake_world):
     for lookup in (ctx.group, ctx.ranks, ctx.size, ctx.rank_in):
         with pytest.raises(ValueError, match=r"unknown group name 'mp'; expected one of tp, cp"):
             lookup("mp")
+    # The pipeline composites have ranks but no process group (nothing communicates on them).
+    assert ctx.ranks("tp_pp") == [2, 3]
+    with pytest.raises(ValueError, match=r"no process group is built for 'tp_pp' \(ranks \[2, 3\]\).*new_group"):
+        ctx.group("tp_pp")
+    # Size-1 names (cp, pp, etp here) share one stand-in of this rank alone.
+    assert ctx.group("cp") is ctx.group("pp") is ctx.group("etp")
+    assert dist.get_process_group_ranks(ctx.group("cp")) == [3]
 
 
 REDUCTION_GROUPS = ("dp", "dp_cp", "tp_dp_cp", "edp")  # the gradient buckets' all-reduces
 
 
 def check_dispatch_apart_from_reduction(ctx) -> None:
-    """No token-dispatch group object is a gradient-reduction group object, whatever their members."""
+    """No token-dispatch group object is a gradient-reduction group object, whatever their members
+    (size-1 names share a stand-in without a communicator, so there is no stream to share)."""
     for dispatch in ("tp", "ep", "etp", "etp_ep"):
         for reduction in REDUCTION_GROUPS:
-            assert ctx.group(dispatch) is not ctx.group(reduction), (dispatch, reduction)
+            if ctx.size(dispatch) > 1 or ctx.size(reduction) > 1:
+                assert ctx.group(dispatch) is not ctx.group(reduction), (dispatch, reduction)
 
 
 @pytest.mark.parametrize("dims", [ParallelDims(8, ep=8), ParallelDims(8, ep=4), ParallelDims(8, tp=2, etp=1, ep=4)],
@@ -118,7 +131,7 @@ def test_dispatch_groups_have_their_own_communicators(fake_world, dims):
             assert ctx.ranks("ep") == ctx.ranks("dp") == ctx.ranks("tp_dp_cp") == list(range(dims.world_size))
             assert ctx.group("ep") is not ctx.group("dp")
             assert ctx.group("ep") is ctx.group("etp_ep")  # one class, same members: shared
-            assert ctx.group("dp") is ctx.group("dp_cp") is ctx.group("tp_dp_cp")
+            assert ctx.group("dp") is ctx.group("dp_cp") is ctx.group("tp_dp_cp") is dist.group.WORLD
 
 
 def test_world_size_mismatch(fake_world):
@@ -147,14 +160,47 @@ GLOO_LAYOUTS = [
 ]
 
 
+def _one_rank_collectives(group, rank: int) -> dict[str, bool]:
+    """Every collective the package issues, on a one-rank group: each must return its input."""
+    x = torch.arange(6.0) + 10 * rank
+    out: dict[str, bool] = {}
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG):
+        y = x.clone()
+        dist.all_reduce(y, op=op, group=group)
+        out[f"all_reduce {op}"] = torch.equal(y, x)
+    y = x.clone()
+    dist.all_reduce(y, group=group, async_op=True).wait()
+    out["all_reduce async"] = torch.equal(y, x)
+    gathered = [torch.full_like(x, -1.0)]
+    dist.all_gather(gathered, x, group=group)
+    out["all_gather"] = torch.equal(gathered[0], x)
+    for name, collective in (("all_gather_into_tensor", dist.all_gather_into_tensor),
+                             ("reduce_scatter_tensor", dist.reduce_scatter_tensor),
+                             ("all_to_all_single", dist.all_to_all_single)):
+        y = torch.full_like(x, -1.0)
+        collective(y, x, group=group)
+        out[name] = torch.equal(y, x)
+    y = torch.full((4,), -1.0)
+    dist.all_to_all_single(y, x[:4], [4], [4], group=group)
+    out["all_to_all_single splits"] = torch.equal(y, x[:4])
+    y = x.clone()
+    dist.broadcast(y, src=rank, group=group)
+    out["broadcast"] = torch.equal(y, x)
+    objects: list = [None]
+    dist.all_gather_object(objects, {"rank": rank}, group=group)
+    out["all_gather_object"] = objects == [{"rank": rank}]
+    return out
+
+
 def _collect_group_facts(rank: int, world_size: int, layouts: list[ParallelDims]) -> list[dict]:
-    """On each rank, for every layout and group: all_reduce of the global rank, size, rank, members."""
+    """On each rank, for every layout and group: all_reduce of the global rank, size, rank, members;
+    under pure DP, every collective on the size-1 stand-in."""
     facts = []
     for dims in layouts:
         ctx = build_parallel_context(dims, "cpu")
         check_dispatch_apart_from_reduction(ctx)
         sums, sizes, ranks_in = {}, {}, {}
-        for name in GROUP_NAMES:
+        for name in BUILT:
             value = torch.tensor([float(rank)])
             dist.all_reduce(value, group=ctx.group(name))
             sums[name] = value.item()
@@ -165,7 +211,9 @@ def _collect_group_facts(rank: int, world_size: int, layouts: list[ParallelDims]
             for kind, mesh in (("dense", ctx.dense_mesh), ("expert", ctx.expert_mesh))
             for dim in mesh.mesh_dim_names
         }
-        facts.append({"sums": sums, "sizes": sizes, "ranks_in": ranks_in, "mesh_members": mesh_members})
+        one_rank = _one_rank_collectives(ctx.group("tp"), rank) if dims.tp == dims.ep == 1 else {}
+        facts.append({"sums": sums, "sizes": sizes, "ranks_in": ranks_in, "mesh_members": mesh_members,
+                      "one_rank": one_rank})
     return facts
 
 
@@ -175,7 +223,9 @@ def test_gloo_groups_reduce_over_the_predicted_members(tmp_path):
     for rank, facts in enumerate(per_rank):
         for dims, fact in zip(GLOO_LAYOUTS, facts):
             where = f"{dims}, rank {rank}"
-            for name in GROUP_NAMES:
+            assert len(fact["one_rank"]) == (11 if dims.tp == dims.ep == 1 else 0), where
+            assert all(fact["one_rank"].values()), (where, fact["one_rank"])
+            for name in BUILT:
                 members = dims.group_of(name, rank)
                 assert fact["sums"][name] == sum(members), (where, name)
                 assert fact["sizes"][name] == len(members), (where, name)

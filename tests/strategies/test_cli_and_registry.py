@@ -8,13 +8,18 @@ from unittest import mock
 
 import lightning as L
 import pytest
+import torch
+import torch.distributed as dist
 from helpers.dist import run_distributed
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from strategies.toy import ToyDataModule, ToyModule, quiet_trainer_kwargs
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import lightning_moe.strategies
+from lightning_moe.parallel import ParallelDims, build_parallel_context
 from lightning_moe.strategies import MoEStrategy
+from lightning_moe.strategies.sharding import make_grad_sync
 
 YAML = textwrap.dedent(
     """\
@@ -80,11 +85,26 @@ def test_cli_command_line_class_and_overrides():
         "--trainer.accelerator=cpu", "--trainer.devices=4", "--trainer.logger=false",
         "--trainer.strategy=lightning_moe.strategies.MoEStrategy",
         "--trainer.strategy.expert_parallel_size=4", "--trainer.strategy.dispatcher=allgather",
-        "--trainer.strategy.bucket_size_mb=1.5",
+        "--trainer.strategy.bucket_size_mb=1.5", "--trainer.strategy.grad_reduce_in_fp32=false",
     ])
     strategy = cli.trainer.strategy
     assert type(strategy) is MoEStrategy
     assert strategy.sizes["ep"] == 4 and strategy.dispatcher == "allgather" and strategy.bucket_size_mb == 1.5
+    assert strategy.grad_reduce_in_fp32 is False and MoEStrategy().grad_reduce_in_fp32 is True
+
+
+def test_grad_reduce_in_fp32_reaches_the_gradient_sync():
+    """The strategy's option decides the dtype GradSync sums bf16 gradients in."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        ctx = build_parallel_context(ParallelDims(2), "cpu")
+        model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        for flag, want in ((True, torch.float32), (False, torch.bfloat16)):
+            sync = make_grad_sync("NO_SHARD", model, ctx, 25.0, True, grad_reduce_in_fp32=flag)
+            assert {bucket.reduce_dtype for bucket in sync.buckets} == {want}
+            sync.remove_hooks()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_cli_yaml_override_from_command_line(tmp_path):
