@@ -25,8 +25,9 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
   micro-batch (:class:`~lightning_moe.parallel.grad_sync.GradSync` is held in ``no_sync`` for the
   schedule's backward passes, which a ``PipelineStage`` only does itself for DDP/FSDP modules);
 * sharded (FSDP2) stages: the blocks and pieces of this rank's stages are the ``fully_shard``
-  units (:meth:`PipelineRunner.shard_units`, sharded after the trim: FSDP2 cannot drop
-  parameters afterwards), not the stage modules, so torch's own FSDP stage handling stays off.
+  units and each stage module their root (:meth:`PipelineRunner.shard_units`, sharded after the
+  trim: FSDP2 cannot drop parameters afterwards). Torch's own FSDP stage handling stays off (the
+  schedule gets a plain module around each stage).
   :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` holds the reduce-scatters
   off for the schedule and starts them once after it (``reduce_accumulated``); the sharded
   gradients only exist then, so the division by the number of micro-batches follows the
@@ -168,6 +169,25 @@ most recently used (a full batch and a shorter last one, say). An older one is d
 stages' receive buffers, and built again (one shape probe) if its shape comes back."""
 
 
+class _PlainStage(nn.Module):
+    """A sharded stage module as torch's ``PipelineStage`` is given it: a plain module around it.
+
+    ``PipelineStage`` handles an ``FSDPModule`` itself: it turns off the reduce-scatters and keeps
+    the parameters gathered from the first micro-batch's backward to the last (``set_requires_gradient_sync(False)``,
+    ``set_reshard_after_backward(False)``), so every rank would hold its stages' full parameters and
+    gradients for the whole schedule. :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync`
+    decides instead.
+    """
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The stage's forward (through its ``__call__``: the FSDP2 root's hooks run)."""
+        return self.stage(x)
+
+
 def _example(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     # requires_grad on floating tensors: the stage derives from it that a gradient travels back.
     return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
@@ -238,8 +258,8 @@ class PipelineRunner:
         self._mesh = ctx.dense_mesh  # the hidden states' layout between stages is a dense one
 
     def shard_units(self) -> list[nn.Module]:
-        """The modules of this rank's stages to shard as FSDP2 units: every block, then the pieces."""
-        return [m for stage in self.modules for m in (*stage.blocks.values(), *stage.pieces.values())]
+        """The modules to shard with FSDP2: this rank's stage modules, each the root of its blocks and pieces."""
+        return list(self.modules)
 
     def _sharded(self) -> bool:
         return any(isinstance(m, FSDPModule) for stage in self.modules for m in stage.modules())
@@ -265,7 +285,8 @@ class PipelineRunner:
                 del self._schedules[old]  # its stages (and their buffers) go with it: nothing else holds them
             metas = self._stage_metas(inputs)
             stages = [
-                PipelineStage(module, s, self.num_stages, self.device, group=self.group,
+                PipelineStage(_PlainStage(module) if isinstance(module, FSDPModule) else module, s, self.num_stages,
+                              self.device, group=self.group,
                               input_args=_example(*metas[s]), output_args=_example(*metas[s + 1]))
                 for module, s in zip(self.modules, self.stage_ids)
             ]

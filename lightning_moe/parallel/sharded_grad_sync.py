@@ -15,7 +15,7 @@ with the same interface as :class:`~lightning_moe.parallel.grad_sync.GradSync`:
   otherwise, so calling it twice never sums twice;
 * :meth:`reduce_accumulated` reduce-scatters what the backward passes of a :meth:`no_sync`
   window accumulated, without another backward: a pipeline schedule runs every micro-batch's
-  backward itself and its stages are not ``fully_shard`` units, so the reduction after the last
+  backward itself and hands its stages to torch as plain modules, so the reduction after the last
   one is started here, as ``PipelineStage.perform_reduce_grad`` does for an FSDP stage module.
 
 Unlike ``GradSync``, a backward outside the armed window still reduce-scatters (FSDP2's hooks
@@ -52,11 +52,19 @@ def _param_groups(state) -> list:
     return [] if group is None else [group]
 
 
+def _roots(units: list[FSDPModule]) -> list:
+    """The root states of ``units``: FSDP2 shares one state context between a root and its units
+    (from the first forward on), so a root outside ``units`` (a pipeline stage module) is found too."""
+    contexts = {id(state._state_ctx): state._state_ctx for state in map(_fsdp_state, units)}
+    return [state for context in contexts.values() for state in context.all_states if state._is_root]
+
+
 class ShardedGradSync:
     """Controls FSDP2's reductions of ``model`` and completes the tensor-parallel sums (module docstring).
 
     Args:
-        model: a model sharded by :func:`~lightning_moe.parallel.apply_fully_shard`.
+        model: a model sharded by :func:`~lightning_moe.parallel.apply_fully_shard` (or whose
+            pipeline stages were).
         ctx: its layout.
     """
 
@@ -114,8 +122,7 @@ class ShardedGradSync:
         """
         if not self._sync:
             raise RuntimeError("ShardedGradSync.reduce_accumulated() was called inside no_sync(); call it after.")
-        roots = [state for state in map(_fsdp_state, self.units) if state._is_root]
-        for root in roots:
+        for root in _roots(self.units):
             for state in root._state_ctx.all_states:
                 for group in _param_groups(state):
                     group.post_backward()

@@ -23,8 +23,10 @@ import pytest
 import torch
 from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
+from helpers.fsdp import root_states
 from lightning.pytorch.callbacks import Callback
 from strategies.toy import quiet_trainer_kwargs
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -146,6 +148,7 @@ def _fit(case: Case, sharding: str) -> dict:
         "losses": measure.losses, "norms": measure.norms, "params": params, "bytes": measure.bytes, "rows": rows,
         "sizes": {"dp_cp": ctx.size("dp_cp"), "edp": ctx.size("edp")},
         "view warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)],
+        "root": isinstance(module, FSDPModule) and [s is module._get_fsdp_state() for s in root_states([module])],
     }
 
 
@@ -171,6 +174,14 @@ def test_losses_norms_and_parameters_equal_no_shard(runs, case, sharding):
         if case.clip is not None:
             assert min(want["norms"]) > 2 * case.clip  # clipping was active
         assert_states_close(got["params"], want["params"], PARAM_RTOL, PARAM_ATOL, f"rank {rank}")
+
+
+@pytest.mark.parametrize("sharding", STRATEGIES)
+def test_the_lightning_module_is_the_one_fsdp_root(runs, sharding):
+    """Its ``training_step`` calls its own forward: one root then drives every unit (streams, prefetch)."""
+    for rank, r in enumerate(runs):
+        for case in CASES:
+            assert r[(case.name, sharding)]["root"] == [True], (rank, case.name, r[(case.name, sharding)]["root"])
 
 
 def test_no_sharded_unit_returns_a_view(runs):
