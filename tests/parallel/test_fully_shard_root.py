@@ -7,7 +7,8 @@ and backward. Oracle: the block order of the model itself.
 * One root: the model is an ``FSDPModule``, the only unit FSDP2 made a root at the first forward,
   and every unit shares its communication context (the streams that overlap all-gathers and
   reduce-scatters with compute). Separate roots each get their own streams, and a backward never
-  prefetches across roots.
+  prefetches across roots. The same when the sharded module's own forward never runs (a wrapper
+  whose child is called directly, as a LightningModule's ``training_step`` may do).
 * Forward prefetch: the all-gather of the next unit in block order (embedding, blocks, final norm,
   head), and of the next block's experts (the expert mesh), is issued before the current unit's
   forward has finished; backward prefetch: the all-gather of the previous unit (and of its experts)
@@ -27,6 +28,7 @@ import pytest
 import torch
 from helpers.dist import run_distributed
 from helpers.fsdp import record_collectives, root_states, states_of, unit_names
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_moe import MoEConfig
@@ -78,7 +80,17 @@ def _step(rank: int, world_size: int) -> dict:
     meshes = {name: module._get_fsdp_state()._fsdp_param_groups[0].mesh_info.mesh.mesh_dim_names
               for name, module in model.named_modules()
               if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups}
+    # A wrapper whose own forward never runs (a LightningModule whose training_step calls
+    # self.model(x)): it is still the root, from the first forward of any unit inside it.
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.net = MoETransformer(config())
+    parallelize(holder, ctx, sharding_strategy="FULL_SHARD")
+    next_token_loss(holder.net(tokens[:, :-1]), tokens[:, 1:]).backward()
+    holder_roots = root_states([holder])
     return {
+        "holder root": isinstance(holder, FSDPModule) and [s is holder._get_fsdp_state() for s in holder_roots],
+        "holder streams": len({id(state._comm_ctx) for state in states_of([holder])}),
         "events": events,
         "model is a unit": isinstance(model, FSDPModule),
         "roots": len(roots),
@@ -98,6 +110,12 @@ def test_the_model_is_the_one_root(ranks):
         assert result["model is a unit"], rank
         assert (result["roots"], result["model is the root"]) == (1, True), (rank, result["roots"])
         assert result["shared streams"] == 1, (rank, result["shared streams"])
+
+
+def test_a_root_whose_forward_never_runs_still_drives_its_units(ranks):
+    for rank, result in enumerate(ranks):
+        assert result["holder root"] == [True], (rank, result["holder root"])
+        assert result["holder streams"] == 1, (rank, result["holder streams"])
 
 
 def test_experts_shard_on_the_expert_mesh_and_the_rest_on_the_dense_mesh(ranks):
