@@ -21,17 +21,18 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
   kept targets fall into micro-batches (one without any counts for nothing). The MoE aux and z losses inject
   their gradients inside the stages: their scale must be 1 (times strategy factors), because the
   schedule's division applies to their gradients as well;
-* gradients are reduced over the data-parallel groups once after the schedule, not per
-  micro-batch (:class:`~lightning_moe.parallel.grad_sync.GradSync` is held in ``no_sync`` for the
-  schedule's backward passes, which a ``PipelineStage`` only does itself for DDP/FSDP modules);
+* replicated gradients are reduced over the data-parallel groups once after the schedule, not
+  per micro-batch (:class:`~lightning_moe.parallel.grad_sync.GradSync` is held in ``no_sync`` for
+  the schedule's backward passes, which a ``PipelineStage`` only does itself for DDP/FSDP modules);
 * sharded (FSDP2) stages: the blocks and pieces of this rank's stages are the ``fully_shard``
   units and each stage module their root (:meth:`PipelineRunner.shard_units`, sharded after the
   trim: FSDP2 cannot drop parameters afterwards). Torch's own FSDP stage handling stays off (the
-  schedule gets a plain module around each stage).
-  :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` holds the reduce-scatters
-  off for the schedule and starts them once after it (``reduce_accumulated``); the sharded
-  gradients only exist then, so the division by the number of micro-batches follows the
-  reduction instead of the schedule's ``scale_grads``;
+  schedule gets a plain module around each stage): by default every micro-batch's backward
+  reduce-scatters its gradients into the shards, so no rank holds unsharded gradients across
+  micro-batches; with :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync`'s
+  ``defer_gradient_reduction`` the reduce-scatters are held off for the schedule and started once
+  after it (``reduce_accumulated``). Either way the division by the number of micro-batches
+  follows the last reduction instead of the schedule's ``scale_grads``;
 * the loss is computed on the rank holding the last stage and broadcast over the pipeline group,
   so every rank returns the same values: :meth:`PipelineRunner.step` and
   :meth:`PipelineRunner.eval` the mean of the micro-batch losses,
@@ -176,7 +177,7 @@ class _PlainStage(nn.Module):
     the parameters gathered from the first micro-batch's backward to the last (``set_requires_gradient_sync(False)``,
     ``set_reshard_after_backward(False)``), so every rank would hold its stages' full parameters and
     gradients for the whole schedule. :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync`
-    decides instead.
+    decides instead (by default a reduce-scatter per micro-batch).
     """
 
     def __init__(self, stage: nn.Module) -> None:
@@ -410,10 +411,11 @@ class PipelineRunner:
         """Forward and backward of one batch; returns its mean loss (the same on every rank).
 
         ``grad_sync`` (a :class:`~lightning_moe.parallel.grad_sync.GradSync`, optional) is armed
-        for the schedule's backward passes, held back from reducing until the schedule is done,
-        then finished: the gradients are reduced once (a
-        :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` is told to start the
-        reduce-scatters first). Gradients accumulate into ``param.grad``: zero them before.
+        for the schedule's backward passes, held in ``no_sync`` until the schedule is done, then
+        finished: a ``GradSync`` reduces the gradients once; a
+        :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` reduce-scattered each
+        micro-batch's already (or, deferring, is told to start the reduce-scatters now), and sums
+        the tensor-parallel-partial ones. Gradients accumulate into ``param.grad``: zero them before.
         """
         if grad_sync is None:
             loss = self._run(inputs, targets, train=True)

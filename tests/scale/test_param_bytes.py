@@ -115,6 +115,8 @@ def test_training_state_bytes():
     fp32 gradients and moments (no master copy counted here) 14."""
     assert training_state_bytes(10) == {"params": 40, "grads": 40, "optimizer": 80, "total": 160}
     assert training_state_bytes(10, param_bytes=2)["total"] == 140
+    # Deferred reduction at DP=4: unsharded gradients, 4x the shard, between micro-batches.
+    assert training_state_bytes(10, grad_elements=40) == {"params": 40, "grads": 160, "optimizer": 80, "total": 280}
 
 
 def _even_split(num_layers: int, stages: int, stage: int) -> range:
