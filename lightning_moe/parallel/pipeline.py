@@ -90,7 +90,7 @@ from lightning_moe.parallel.pipeline_split import (
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.parallel.stage_failure import describe_peer_failure, publish_failure
 
-__all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options"]
+__all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options", "sharded_schedule_problem"]
 
 
 def _forward_only(schedule: _PipelineScheduleRuntime) -> None:
@@ -144,6 +144,22 @@ def check_pipeline_options(schedule: str, num_microbatches: int | None, virtual_
     if micro < 1:
         raise ValueError(f"num_microbatches={num_microbatches}: needs at least 1 micro-batch per batch.")
     return micro, virtual
+
+
+_ZBV_SHARDED = ("its separate weight-gradient passes run outside FSDP2's backward hooks, so those gradients would "
+                "be lost; use '1F1B' or 'Interleaved1F1B', or sharding_strategy='NO_SHARD'")
+
+
+def sharded_schedule_problem(schedule: str, sharding_strategy: str) -> str | None:
+    """Why ``schedule`` cannot run stages sharded with ``sharding_strategy``, None if it can.
+
+    The zero-bubble schedule computes the weight gradients in separate passes after each
+    micro-batch's input-gradient pass, outside FSDP2's backward hooks: its sharded stages ended
+    the step with zero gradients for those weights.
+    """
+    if schedule == "ZBVZeroBubble" and sharding_strategy != "NO_SHARD":
+        return f"pipeline_schedule='ZBVZeroBubble' with sharding_strategy={sharding_strategy!r} ({_ZBV_SHARDED})"
+    return None
 
 
 def _probe(module: StageModule, x: Tensor) -> tuple[Tensor, tuple | None]:
@@ -284,6 +300,9 @@ class PipelineRunner:
             same_mode = [k for k in self._schedules if k[2] == train]
             for old in same_mode[: max(0, len(same_mode) - SCHEDULES_KEPT + 1)]:
                 del self._schedules[old]  # its stages (and their buffers) go with it: nothing else holds them
+            if self._sharded() and self.schedule_name == "ZBVZeroBubble":
+                raise ValueError(f"PipelineRunner cannot run pipeline_schedule='ZBVZeroBubble' on FSDP2-sharded stages "
+                                 f"({_ZBV_SHARDED}).")
             metas = self._stage_metas(inputs)
             stages = [
                 PipelineStage(_PlainStage(module) if isinstance(module, FSDPModule) else module, s, self.num_stages,
