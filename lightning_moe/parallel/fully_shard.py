@@ -9,11 +9,18 @@ over the data-parallel ranks of their own mesh (docs/architecture.md §10):
   expert dimension, which EP splits, nor F, which ETP splits), so the global state-dict view stays
   one regular DTensor sharding;
 * everything else over the dense data-parallel ranks ``dp`` x ``cp`` (:func:`dense_shard_mesh`:
-  one flattened mesh dimension ``dp_cp`` when ``cp > 1``): one unit per transformer
-  block of the reference :class:`~lightning_moe.models.MoETransformer` (or per
-  :class:`~lightning_moe.layers.MoELayer` of a user model), then one unit per top-level module
-  for what is left (embedding, final norm, head). Tensor-parallel DTensors get FSDP's 2-D
-  ``(dp, tp)`` (``(dp_cp, tp)``) sharding.
+  one flattened mesh dimension ``dp_cp`` when ``cp > 1``): one unit per transformer block of the
+  reference :class:`~lightning_moe.models.MoETransformer` (and per block of a pipeline stage,
+  :class:`~lightning_moe.parallel.pipeline_split.StageModule`), one per piece around them
+  (embedding, final norm, head; pieces that share a parameter, such as a tied embedding and head,
+  form one unit), one per :class:`~lightning_moe.layers.MoELayer` of a user model, and one per
+  top-level module for what is left. Tensor-parallel DTensors get FSDP's 2-D ``(dp, tp)``
+  (``(dp_cp, tp)``) sharding;
+* the model itself last, as the one root of all these units (:mod:`~lightning_moe.parallel.fsdp_root`:
+  it owns the streams, so every unit's all-gathers and reduce-scatters overlap the others'
+  compute), on the dense mesh (a root's own parameters could only be dense ones; here it holds
+  none). The blocks of a model or stage prefetch their neighbours' all-gathers, experts included
+  (:func:`~lightning_moe.parallel.fsdp_root.set_chain_prefetch`).
 
 Gradients keep today's scaling: every unit sums (``set_force_sum_reduction_for_comms``: gloo has
 no pre-multiplied sum) and divides by the dense data-parallel size ``DP * CP``, experts included
@@ -42,6 +49,8 @@ from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_shard, record_fsdp_sharding
 from lightning_moe.parallel.fsdp_outputs import return_no_views
+from lightning_moe.parallel.fsdp_root import claim_units, set_chain_prefetch
+from lightning_moe.parallel.pipeline_split import StageModule
 
 __all__ = [
     "SHARDING_STRATEGIES",
@@ -171,20 +180,38 @@ def _sum_then_divide(module: FSDPModule, divide: float, mesh_size: int) -> None:
     module.set_reduce_scatter_unused_params(True, recurse=False)
 
 
-def _dense_units(model: nn.Module) -> list[nn.Module]:
-    """Blocks of every reference transformer, or the MoE layers of a user model."""
-    units: list[nn.Module] = []
+def _chains(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Module], list[nn.Module]]]:
+    """(first pieces, blocks, last pieces) of every reference transformer and pipeline stage in
+    ``model``, outermost only, in forward order (pieces and blocks a pipeline trim removed left out)."""
+    found = []
     inside: set[int] = set()
     for module in model.modules():
         if id(module) in inside:
             continue
         if isinstance(module, MoETransformer):
-            units.extend(module.layers)
-            inside.update(id(m) for m in module.modules())
-        elif isinstance(module, MoELayer):
-            units.append(module)
-            inside.update(id(m) for m in module.modules())
-    return units
+            blocks = module.layers.values() if isinstance(module.layers, nn.ModuleDict) else module.layers
+            first, last = [module.embed], [module.norm, module.lm_head]
+        elif isinstance(module, StageModule):
+            blocks = module.blocks.values()
+            first = [module.pieces[n] for n in module.parts.first if n in module.pieces]
+            last = [module.pieces[n] for n in module.parts.last if n in module.pieces]
+        else:
+            continue
+        found.append(([m for m in first if m is not None], list(blocks), [m for m in last if m is not None]))
+        inside.update(id(m) for m in module.modules())
+    return found
+
+
+def _grouped(pieces: list[nn.Module]) -> list[list[nn.Module]]:
+    """``pieces`` in groups that share no parameter with another group (a tied embedding and head
+    must be one unit: FSDP2 shards a parameter in one unit only)."""
+    groups: list[tuple[list[nn.Module], set[int]]] = []
+    for piece in pieces:
+        ids = {id(p) for p in piece.parameters()}
+        joined = [g for g in groups if g[1] & ids]
+        merged = ([m for g in joined for m in g[0]] + [piece], ids.union(*(g[1] for g in joined)))
+        groups = [g for g in groups if not any(g is j for j in joined)] + [merged]
+    return [modules for modules, _ in groups]
 
 
 def _top_level_units(model: nn.Module, sharded: set[int]) -> list[nn.Module]:
@@ -207,10 +234,11 @@ def apply_fully_shard(
     sharding_strategy: str,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> list[FSDPModule]:
-    """Shard ``model`` (already tensor- and expert-parallel) with FSDP2; return its units.
+    """Shard ``model`` (already tensor- and expert-parallel) with FSDP2; return its units, ``model`` (the root) first.
 
     Args:
-        model: the parallelized model; meta-device parameters stay meta until materialised.
+        model: the parallelized model, or one pipeline stage of it; meta-device parameters stay
+            meta until materialised.
         ctx: the layout.
         sharding_strategy: ``"SHARD_GRAD_OP"`` or ``"FULL_SHARD"`` (``"NO_SHARD"`` is a no-op).
         mp_policy: FSDP2's mixed precision (e.g. bf16 compute, fp32 reduction), None for none.
@@ -219,24 +247,40 @@ def apply_fully_shard(
     if sharding_strategy == "NO_SHARD":
         return []
     dense_mesh = dense_shard_mesh(ctx)
-    expert_mesh = ctx.expert_mesh["edp"]
     divide = float(ctx.size("dp_cp"))
     kwargs = {"reshard_after_forward": sharding_strategy == "FULL_SHARD"}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    moe_layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer)]
+    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     tp_partial = _tp_partial_names(model, ctx)
-    for _, layer in moe_layers:
-        _shard_experts(layer, expert_mesh, divide, **kwargs)
-    sharded: set[int] = {id(p) for _, layer in moe_layers for p in layer.experts.parameters()}
-    units = _dense_units(model)
-    for unit in units:
-        fully_shard(return_no_views(unit), mesh=dense_mesh, **kwargs)
-        sharded.update(id(p) for p in unit.parameters())
-    top = _top_level_units(model, sharded)
-    for unit in top:
-        fully_shard(return_no_views(unit), mesh=dense_mesh, **kwargs)
-    for unit in (*units, *top):
-        _sum_then_divide(unit, divide, dense_mesh.size())
+    for layer in moe_layers:
+        _shard_experts(layer, ctx.expert_mesh["edp"], divide, **kwargs)
+    sharded: set[int] = {id(p) for layer in moe_layers for p in layer.experts.parameters()}
+
+    def shard(modules: list[nn.Module]) -> FSDPModule:
+        for module in modules:
+            return_no_views(module)
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=dense_mesh, **kwargs)
+        sharded.update(id(p) for m in modules for p in m.parameters())
+        _sum_then_divide(modules[0], divide, dense_mesh.size())
+        return modules[0]
+
+    chains = []
+    for first, blocks, last in _chains(model):
+        units = {}
+        for group in _grouped([*first, *last]):
+            unit = shard(group)
+            units.update((id(m), unit) for m in group)
+        chains.append([units[id(m)] for m in first] + [shard([b]) for b in blocks] + [units[id(m)] for m in last])
+    for layer in moe_layers:  # a user model's MoE layers, outside any transformer
+        if any(id(p) not in sharded for p in layer.parameters()):
+            shard([layer])
+    for unit in _top_level_units(model, sharded):
+        shard([unit])
+    fully_shard(return_no_views(model), mesh=dense_mesh, **kwargs)  # the root: last, around every unit
+    _sum_then_divide(model, divide, dense_mesh.size())
+    claim_units(model)
+    for chain in chains:
+        set_chain_prefetch(chain)
     setattr(model, _TP_PARTIAL_ATTR, frozenset(tp_partial))
     return fully_sharded_modules(model)

@@ -21,16 +21,18 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
   kept targets fall into micro-batches (one without any counts for nothing). The MoE aux and z losses inject
   their gradients inside the stages: their scale must be 1 (times strategy factors), because the
   schedule's division applies to their gradients as well;
-* gradients are reduced over the data-parallel groups once after the schedule, not per
-  micro-batch (:class:`~lightning_moe.parallel.grad_sync.GradSync` is held in ``no_sync`` for the
-  schedule's backward passes, which a ``PipelineStage`` only does itself for DDP/FSDP modules);
+* replicated gradients are reduced over the data-parallel groups once after the schedule, not
+  per micro-batch (:class:`~lightning_moe.parallel.grad_sync.GradSync` is held in ``no_sync`` for
+  the schedule's backward passes, which a ``PipelineStage`` only does itself for DDP/FSDP modules);
 * sharded (FSDP2) stages: the blocks and pieces of this rank's stages are the ``fully_shard``
-  units (:meth:`PipelineRunner.shard_units`, sharded after the trim: FSDP2 cannot drop
-  parameters afterwards), not the stage modules, so torch's own FSDP stage handling stays off.
-  :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` holds the reduce-scatters
-  off for the schedule and starts them once after it (``reduce_accumulated``); the sharded
-  gradients only exist then, so the division by the number of micro-batches follows the
-  reduction instead of the schedule's ``scale_grads``;
+  units and each stage module their root (:meth:`PipelineRunner.shard_units`, sharded after the
+  trim: FSDP2 cannot drop parameters afterwards). Torch's own FSDP stage handling stays off (the
+  schedule gets a plain module around each stage): by default every micro-batch's backward
+  reduce-scatters its gradients into the shards, so no rank holds unsharded gradients across
+  micro-batches; with :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync`'s
+  ``defer_gradient_reduction`` the reduce-scatters are held off for the schedule and started once
+  after it (``reduce_accumulated``). Either way the division by the number of micro-batches
+  follows the last reduction instead of the schedule's ``scale_grads``;
 * the loss is computed on the rank holding the last stage and broadcast over the pipeline group,
   so every rank returns the same values: :meth:`PipelineRunner.step` and
   :meth:`PipelineRunner.eval` the mean of the micro-batch losses,
@@ -88,7 +90,7 @@ from lightning_moe.parallel.pipeline_split import (
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.parallel.stage_failure import describe_peer_failure, publish_failure
 
-__all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options"]
+__all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options", "sharded_schedule_problem"]
 
 
 def _forward_only(schedule: _PipelineScheduleRuntime) -> None:
@@ -144,6 +146,22 @@ def check_pipeline_options(schedule: str, num_microbatches: int | None, virtual_
     return micro, virtual
 
 
+_ZBV_SHARDED = ("its separate weight-gradient passes run outside FSDP2's backward hooks, so those gradients would "
+                "be lost; use '1F1B' or 'Interleaved1F1B', or sharding_strategy='NO_SHARD'")
+
+
+def sharded_schedule_problem(schedule: str, sharding_strategy: str) -> str | None:
+    """Why ``schedule`` cannot run stages sharded with ``sharding_strategy``, None if it can.
+
+    The zero-bubble schedule computes the weight gradients in separate passes after each
+    micro-batch's input-gradient pass, outside FSDP2's backward hooks: its sharded stages ended
+    the step with zero gradients for those weights.
+    """
+    if schedule == "ZBVZeroBubble" and sharding_strategy != "NO_SHARD":
+        return f"pipeline_schedule='ZBVZeroBubble' with sharding_strategy={sharding_strategy!r} ({_ZBV_SHARDED})"
+    return None
+
+
 def _probe(module: StageModule, x: Tensor) -> tuple[Tensor, tuple | None]:
     """``module``'s output on ``x`` and the (mesh dim names, placements) it had before going local."""
     seen: dict[str, tuple] = {}
@@ -166,6 +184,25 @@ SCHEDULES_KEPT = 2
 """Schedules a :class:`PipelineRunner` keeps per mode (training, evaluation): the batch shapes
 most recently used (a full batch and a shorter last one, say). An older one is dropped, with its
 stages' receive buffers, and built again (one shape probe) if its shape comes back."""
+
+
+class _PlainStage(nn.Module):
+    """A sharded stage module as torch's ``PipelineStage`` is given it: a plain module around it.
+
+    ``PipelineStage`` handles an ``FSDPModule`` itself: it turns off the reduce-scatters and keeps
+    the parameters gathered from the first micro-batch's backward to the last (``set_requires_gradient_sync(False)``,
+    ``set_reshard_after_backward(False)``), so every rank would hold its stages' full parameters and
+    gradients for the whole schedule. :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync`
+    decides instead (by default a reduce-scatter per micro-batch).
+    """
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The stage's forward (through its ``__call__``: the FSDP2 root's hooks run)."""
+        return self.stage(x)
 
 
 def _example(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -238,8 +275,8 @@ class PipelineRunner:
         self._mesh = ctx.dense_mesh  # the hidden states' layout between stages is a dense one
 
     def shard_units(self) -> list[nn.Module]:
-        """The modules of this rank's stages to shard as FSDP2 units: every block, then the pieces."""
-        return [m for stage in self.modules for m in (*stage.blocks.values(), *stage.pieces.values())]
+        """The modules to shard with FSDP2: this rank's stage modules, each the root of its blocks and pieces."""
+        return list(self.modules)
 
     def _sharded(self) -> bool:
         return any(isinstance(m, FSDPModule) for stage in self.modules for m in stage.modules())
@@ -263,9 +300,13 @@ class PipelineRunner:
             same_mode = [k for k in self._schedules if k[2] == train]
             for old in same_mode[: max(0, len(same_mode) - SCHEDULES_KEPT + 1)]:
                 del self._schedules[old]  # its stages (and their buffers) go with it: nothing else holds them
+            if self._sharded() and self.schedule_name == "ZBVZeroBubble":
+                raise ValueError(f"PipelineRunner cannot run pipeline_schedule='ZBVZeroBubble' on FSDP2-sharded stages "
+                                 f"({_ZBV_SHARDED}).")
             metas = self._stage_metas(inputs)
             stages = [
-                PipelineStage(module, s, self.num_stages, self.device, group=self.group,
+                PipelineStage(_PlainStage(module) if isinstance(module, FSDPModule) else module, s, self.num_stages,
+                              self.device, group=self.group,
                               input_args=_example(*metas[s]), output_args=_example(*metas[s + 1]))
                 for module, s in zip(self.modules, self.stage_ids)
             ]
@@ -389,10 +430,11 @@ class PipelineRunner:
         """Forward and backward of one batch; returns its mean loss (the same on every rank).
 
         ``grad_sync`` (a :class:`~lightning_moe.parallel.grad_sync.GradSync`, optional) is armed
-        for the schedule's backward passes, held back from reducing until the schedule is done,
-        then finished: the gradients are reduced once (a
-        :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` is told to start the
-        reduce-scatters first). Gradients accumulate into ``param.grad``: zero them before.
+        for the schedule's backward passes, held in ``no_sync`` until the schedule is done, then
+        finished: a ``GradSync`` reduces the gradients once; a
+        :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` reduce-scattered each
+        micro-batch's already (or, deferring, is told to start the reduce-scatters now), and sums
+        the tensor-parallel-partial ones. Gradients accumulate into ``param.grad``: zero them before.
         """
         if grad_sync is None:
             loss = self._run(inputs, targets, train=True)

@@ -180,6 +180,11 @@ class StageModule(nn.Module):
             if getattr(model, name, None) is not None
         })
 
+    @property
+    def parts(self) -> PipelineParts:
+        """How the model this stage was cut from splits (its first and last pieces' names)."""
+        return self._parts
+
     def forward(self, x: Tensor) -> Tensor:
         """Inputs (first stage) or hidden states -> hidden states, or outputs (last stage)."""
         if self.is_first:

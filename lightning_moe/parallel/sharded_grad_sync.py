@@ -4,19 +4,25 @@ FSDP2 reduce-scatters each unit's gradients during backward (summed, divided by 
 what is left here is the part FSDP2 does not know about, and the controls the strategy needs,
 with the same interface as :class:`~lightning_moe.parallel.grad_sync.GradSync`:
 
-* :meth:`no_sync` turns the reduce-scatters off for gradient accumulation
-  (``set_requires_gradient_sync(False)``: FSDP2 then accumulates unsharded gradients and reduces
-  their sum on the next synchronised backward);
+* :meth:`no_sync` marks the backward passes of gradient accumulation (and of a pipeline
+  schedule's micro-batches). By default they still reduce-scatter, each into the sharded
+  gradients (which accumulate there), as torchtitan does: a rank holds its shard of the gradients
+  plus, while a unit's backward runs, that unit's unsharded gradients, never the whole model's.
+  With ``defer_gradient_reduction=True`` they do not (FSDP2's ``set_requires_gradient_sync(False)``):
+  FSDP2 keeps every unit's unsharded gradients, ``DP`` (``EDP`` for experts) times the shard, until
+  the next synchronised backward (or :meth:`reduce_accumulated`) reduce-scatters their sum, one
+  reduce-scatter per unit and step instead of one per micro-batch;
 * :meth:`finish` sums the gradients of the tensor-parallel-partial parameters
   (:func:`~lightning_moe.parallel.fully_shard.tp_partial_params`) over ``tp``, once per reduction:
   each TP rank routed its own tokens, and the TP ranks of one data-parallel coordinate hold the
   same FSDP shard, so an all-reduce of the local shards completes the sum. It runs after a
-  synchronised backward armed by :meth:`begin_backward` / :meth:`end_backward` and does nothing
-  otherwise, so calling it twice never sums twice;
-* :meth:`reduce_accumulated` reduce-scatters what the backward passes of a :meth:`no_sync`
-  window accumulated, without another backward: a pipeline schedule runs every micro-batch's
-  backward itself and its stages are not ``fully_shard`` units, so the reduction after the last
-  one is started here, as ``PipelineStage.perform_reduce_grad`` does for an FSDP stage module.
+  synchronised backward armed by :meth:`begin_backward` / :meth:`end_backward` (on the shards
+  every micro-batch of the step added to) and does nothing otherwise, so calling it twice never
+  sums twice;
+* :meth:`reduce_accumulated` completes the reduction of a :meth:`no_sync` window without another
+  backward: a pipeline schedule runs every micro-batch's backward itself, so the deferred
+  reduce-scatters are started here after the last one, as ``PipelineStage.perform_reduce_grad``
+  does for an FSDP stage module (nothing is left to start when they were not deferred).
 
 Unlike ``GradSync``, a backward outside the armed window still reduce-scatters (FSDP2's hooks
 fire on every backward): such a backward must run on every rank.
@@ -52,20 +58,32 @@ def _param_groups(state) -> list:
     return [] if group is None else [group]
 
 
+def _roots(units: list[FSDPModule]) -> list:
+    """The root states of ``units``: FSDP2 shares one state context between a root and its units
+    (from the first forward on), so a root outside ``units`` (a pipeline stage module) is found too."""
+    contexts = {id(state._state_ctx): state._state_ctx for state in map(_fsdp_state, units)}
+    return [state for context in contexts.values() for state in context.all_states if state._is_root]
+
+
 class ShardedGradSync:
     """Controls FSDP2's reductions of ``model`` and completes the tensor-parallel sums (module docstring).
 
     Args:
-        model: a model sharded by :func:`~lightning_moe.parallel.apply_fully_shard`.
+        model: a model sharded by :func:`~lightning_moe.parallel.apply_fully_shard` (or whose
+            pipeline stages were).
         ctx: its layout.
+        defer_gradient_reduction: hold the reduce-scatters back inside :meth:`no_sync` (module
+            docstring): one reduce-scatter per step instead of one per micro-batch, at the cost
+            of keeping unsharded gradients (``DP`` times the shard) between micro-batches.
     """
 
     overlap = True
     """FSDP2 reduces during backward, unit by unit."""
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext) -> None:
+    def __init__(self, model: nn.Module, ctx: ParallelContext, defer_gradient_reduction: bool = False) -> None:
         self.model = model
         self.ctx = ctx
+        self.defer_gradient_reduction = defer_gradient_reduction
         self.units = fully_sharded_modules(model)
         if not self.units:
             raise ValueError("ShardedGradSync needs a model sharded by apply_fully_shard (no fully_shard unit found).")
@@ -75,7 +93,7 @@ class ShardedGradSync:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without reducing them (FSDP2's ``set_requires_gradient_sync(False)``)."""
+        """Backward passes of gradient accumulation: reduced at once, or deferred with ``defer_gradient_reduction``."""
         previous = self._sync
         self._set_sync(False)
         try:
@@ -85,8 +103,9 @@ class ShardedGradSync:
 
     def _set_sync(self, enabled: bool) -> None:
         self._sync = enabled
-        for unit in self.units:
-            unit.set_requires_gradient_sync(enabled, recurse=False)
+        if self.defer_gradient_reduction:
+            for unit in self.units:
+                unit.set_requires_gradient_sync(enabled, recurse=False)
 
     @property
     def sync_enabled(self) -> bool:
@@ -105,21 +124,21 @@ class ShardedGradSync:
 
     @torch.no_grad()
     def reduce_accumulated(self) -> None:
-        """Reduce-scatter the gradients accumulated under :meth:`no_sync` now; :meth:`finish` then sums over ``tp``.
+        """Reduce-scatter the gradients deferred under :meth:`no_sync` now; :meth:`finish` then sums over ``tp``.
 
         Call outside :meth:`no_sync`, after the backward passes, on every rank of the units'
-        meshes. Every unit that took part in them runs FSDP2's ``post_backward`` (idempotent: a
-        unit without gradients does nothing), then each root unit's end-of-backward callback
-        waits for the reductions and resets the units for the next step.
+        meshes. With deferred reductions every unit that took part in them runs FSDP2's
+        ``post_backward`` (idempotent: a unit without gradients does nothing), then each root's
+        end-of-backward callback waits for the reductions and resets the units for the next step.
         """
         if not self._sync:
             raise RuntimeError("ShardedGradSync.reduce_accumulated() was called inside no_sync(); call it after.")
-        roots = [state for state in map(_fsdp_state, self.units) if state._is_root]
-        for root in roots:
-            for state in root._state_ctx.all_states:
-                for group in _param_groups(state):
-                    group.post_backward()
-            root._root_post_backward_final_callback()
+        if self.defer_gradient_reduction:
+            for root in _roots(self.units):
+                for state in root._state_ctx.all_states:
+                    for group in _param_groups(state):
+                        group.post_backward()
+                root._root_post_backward_final_callback()
         self._pending = True
 
     @torch.no_grad()

@@ -41,7 +41,8 @@ __all__ = [
 ]
 
 Split = Callable[[nn.Module], Sequence[nn.Module]]
-"""Pipeline parallelism's hook: trims the model to this rank's stages, returns the modules to shard as units."""
+"""Pipeline parallelism's hook: trims the model to this rank's stages, returns the stage modules (each sharded
+as one FSDP2 root)."""
 
 _LAYOUT_ATTR = "_lightning_moe_layout"
 
@@ -130,9 +131,9 @@ def prepare_model(
     the sharding: the whole model is broadcast (a meta-device model only its seeds) and
     parallelized without sharding, then split, then materialised (only this rank's stages get
     storage; the reference model draws each weight from its global name, so the values are those
-    of the whole model), and then only the modules ``split`` returns are sharded
-    (:func:`shard_split_model`): FSDP2 cannot drop parameters once sharded, and the stages never
-    call the model's own ``forward``.
+    of the whole model), and then only the stage modules ``split`` returns are sharded, each the
+    root of its units (:func:`shard_split_model`): FSDP2 cannot drop parameters once sharded, and
+    the stages never call the model's own ``forward``.
     """
     move_materialized(model, device)
     broadcast_initial_state(model)
@@ -142,30 +143,32 @@ def prepare_model(
     else:
         check_fully_shard(model, ctx, sharding_strategy)  # before anything changes
         parallelize(model, ctx, **options)
-        units = split(model)
+        stages = split(model)
         # The ranks of one pipeline stage hold the same modules: replicated tensors agree within it.
         materialize(model, device, group=ctx.group("tp_dp_cp"))
-        shard_split_model(model, units, ctx, sharding_strategy, mp_policy)
+        shard_split_model(model, stages, ctx, sharding_strategy, mp_policy)
     return agree_on_cpu_gemm(model) if device.type == "cpu" else {}
 
 
 def shard_split_model(
-    model: nn.Module, units: Sequence[nn.Module], ctx: ParallelContext, sharding_strategy: str,
+    model: nn.Module, stages: Sequence[nn.Module], ctx: ParallelContext, sharding_strategy: str,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
-    """Shard ``units`` (modules of the trimmed ``model``: its stages' blocks and pieces) with FSDP2.
+    """Shard ``stages`` (this rank's pipeline stage modules over the trimmed ``model``) with FSDP2.
 
-    :func:`~lightning_moe.parallel.apply_fully_shard` runs on a list of the units, so each block
-    and piece (embedding, norm, head) is a unit of its own, as each of them is called on its own
-    by the stages; the tensor-parallel-partial parameters it records are then recorded on
-    ``model`` under the model's names, where
+    :func:`~lightning_moe.parallel.apply_fully_shard` runs on each stage: its blocks and pieces
+    (embedding, norm, head) become units, and the stage module, which the schedule calls once per
+    micro-batch, their root. The tensor-parallel-partial parameters it records are then recorded
+    on ``model`` under the model's names, where
     :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` looks them up.
     """
     if sharding_strategy == "NO_SHARD":
         return
-    holder = nn.ModuleList(units)
-    apply_fully_shard(holder, ctx, sharding_strategy, mp_policy)
-    record_tp_partial_params(model, tp_partial_params(holder))
+    partial = []
+    for stage in stages:
+        apply_fully_shard(stage, ctx, sharding_strategy, mp_policy)
+        partial.extend(tp_partial_params(stage))
+    record_tp_partial_params(model, partial)
 
 
 def prepare_model_once(

@@ -85,6 +85,9 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         flex_backend: ``flex``'s implementation: ``"auto"`` (DeepEP on CUDA where it can run), ``"torch"``, ``"deepep"``.
         sharding_strategy: ``"NO_SHARD"`` (default: replicated), ``"SHARD_GRAD_OP"`` or ``"FULL_SHARD"``
             (PyTorch FSDP2, dense over DP x CP, experts over EDP: :mod:`lightning_moe.parallel.fully_shard`).
+        defer_gradient_reduction: sharded strategies only. False (default): each micro-batch (gradient accumulation,
+            pipeline schedule) reduce-scatters its gradients into the shards; True: one reduce-scatter per step, but
+            DP times the gradient shard held unsharded between micro-batches (``ShardedGradSync``).
         order: rank order of the folded layout, ``"tp-cp-ep-dp-pp"`` or ``"tp-cp-ep-pp-dp"``.
         bucket_size_mb: gradient reduction bucket size.
         grad_reduce_in_fp32: under ``NO_SHARD``, sum bf16/fp16 parameters' gradients in fp32 (default, Megatron's
@@ -139,6 +142,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         flex_backend: str = "auto",
         cp_comm_type: str = "p2p",
         sharding_strategy: str = "NO_SHARD",
+        defer_gradient_reduction: bool = False,
         order: str = "tp-cp-ep-dp-pp",
         bucket_size_mb: float = 25.0,
         grad_reduce_in_fp32: bool = True,
@@ -164,7 +168,8 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )
         check_strategy_options(
-            pipeline_parallel_size, context_parallel_size, dispatcher, start_method, flex_backend, cp_comm_type
+            pipeline_parallel_size, context_parallel_size, dispatcher, start_method, flex_backend, cp_comm_type,
+            sharding_strategy, defer_gradient_reduction,
         )
         self.sizes = {
             "tp": tensor_parallel_size, "cp": context_parallel_size, "pp": pipeline_parallel_size,
@@ -172,6 +177,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         }
         self.order, self.dispatcher, self.flex_backend, self.cp_comm_type = order, dispatcher, flex_backend, cp_comm_type
         self.sharding_strategy = check_sharding_strategy(sharding_strategy)
+        self.defer_gradient_reduction = defer_gradient_reduction
         self.bucket_size_mb = bucket_size_mb
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self._process_group_backend, self._timeout = process_group_backend, timeout
@@ -342,6 +348,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
                 self._grad_sync = make_grad_sync(
                     self.sharding_strategy, self.model, self.parallel_context, self.bucket_size_mb,
                     trainer.lightning_module.automatic_optimization, self.grad_reduce_in_fp32,
+                    self.defer_gradient_reduction,
                 )
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
@@ -395,7 +402,7 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: no reduction until the last micro-batch."""
+        """Gradient accumulation: replicated gradients reduced after the last micro-batch (sharded ones see ``no_sync``)."""
         if self._grad_sync is None:
             yield
             return

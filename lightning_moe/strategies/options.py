@@ -13,7 +13,8 @@ SUPPORTED_START_METHODS = ("popen",)
 
 def check_strategy_options(
     pipeline_parallel_size: int, context_parallel_size: int, dispatcher: str, start_method: str,
-    flex_backend: str = "auto", cp_comm_type: str = "p2p",
+    flex_backend: str = "auto", cp_comm_type: str = "p2p", sharding_strategy: str = "NO_SHARD",
+    defer_gradient_reduction: bool = False,
 ) -> None:
     """Raise ``ValueError`` for an option `MoEStrategy` cannot honour (yet), saying what to use instead.
 
@@ -26,6 +27,12 @@ def check_strategy_options(
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
     check_dispatcher(dispatcher, flex_backend)
+    if defer_gradient_reduction and sharding_strategy == "NO_SHARD":
+        raise ValueError(
+            "defer_gradient_reduction=True applies to the sharded strategies (SHARD_GRAD_OP, FULL_SHARD); with "
+            "sharding_strategy='NO_SHARD' the gradients are already reduced once per step, after the last "
+            "micro-batch. Drop defer_gradient_reduction, or choose a sharded strategy."
+        )
     if start_method not in SUPPORTED_START_METHODS:
         raise ValueError(
             f"start_method={start_method!r} is not supported by MoEStrategy: Lightning's multiprocessing "

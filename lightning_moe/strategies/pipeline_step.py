@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.config_error import ConfigError
-from lightning_moe.parallel.pipeline import PipelineRunner, check_pipeline_options
+from lightning_moe.parallel.pipeline import PipelineRunner, check_pipeline_options, sharded_schedule_problem
 
 __all__ = ["PipelineDriver", "pipeline_refusal"]
 
@@ -159,6 +159,8 @@ class PipelineDriver:
         if not strategy.checkpointing.sharded:
             problems.append("save_distributed_checkpoint=False (rank 0's file would hold its own stages' weights "
                             "only; use the sharded checkpoints, or lightning-moe export for one file)")
+        if problem := sharded_schedule_problem(self.schedule, getattr(strategy, "sharding_strategy", "NO_SHARD")):
+            problems.append(problem)
         if not callable(getattr(module, "pipeline_loss", None)):
             problems.append(f"{type(module).__name__} without pipeline_loss(outputs, targets)")
         if problems:

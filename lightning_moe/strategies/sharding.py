@@ -65,12 +65,13 @@ def check_sharding_combination(
 
 def make_grad_sync(
     sharding_strategy: str, model: nn.Module, ctx: ParallelContext, bucket_size_mb: float, automatic_optimization: bool,
-    grad_reduce_in_fp32: bool = True,
+    grad_reduce_in_fp32: bool = True, defer_gradient_reduction: bool = False,
 ) -> GradSync | ShardedGradSync:
     """The gradient synchronisation of the strategy's model (``grad_reduce_in_fp32``: see `GradSync`;
-    FSDP2 reduces in its `MixedPrecisionPolicy`'s dtype instead)."""
+    FSDP2 reduces in its `MixedPrecisionPolicy`'s dtype instead; ``defer_gradient_reduction``: see
+    `ShardedGradSync`)."""
     if sharding_strategy != "NO_SHARD":
-        return ShardedGradSync(model, ctx)  # FSDP2 reduces during backward
+        return ShardedGradSync(model, ctx, defer_gradient_reduction)  # FSDP2 reduces during backward
     # Manual optimization may run several backward passes before one step: reduce at the step (or
     # on clipping / finish_grad_sync) instead of during backward.
     return GradSync(

@@ -90,15 +90,20 @@ def global_parameters(config: MoETransformerConfig) -> int:
 
 
 def training_state_bytes(
-    local_params: int, param_bytes: int = 4, grad_bytes: int = 4, optimizer_states: int = 2, state_bytes: int = 4
+    local_params: int, param_bytes: int = 4, grad_bytes: int = 4, optimizer_states: int = 2, state_bytes: int = 4,
+    grad_elements: int | None = None,
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer states one rank holds for ``local_params`` elements.
 
     Defaults: fp32 parameters and gradients, Adam's two fp32 moments (``exp_avg``, ``exp_avg_sq``).
-    Gradients have the parameters' local shapes (FSDP2 reduce-scatters into the shard; replicated
-    data parallelism reduces in place), so they count like the parameters.
+    Gradients have the parameters' local shapes (FSDP2 reduce-scatters every micro-batch into the
+    shard; replicated data parallelism reduces in place), so they count like the parameters, unless
+    ``grad_elements`` says otherwise: with ``defer_gradient_reduction=True`` and several
+    micro-batches (gradient accumulation, pipeline schedules) a sharded rank holds, between them,
+    the unsharded gradients, ``local_parameters(config, dims)`` (without ``fsdp``), DP (EDP for
+    experts) times the shard.
     """
     params = local_params * param_bytes
-    grads = local_params * grad_bytes
+    grads = (local_params if grad_elements is None else grad_elements) * grad_bytes
     optimizer = local_params * optimizer_states * state_bytes
     return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}

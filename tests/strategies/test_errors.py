@@ -198,3 +198,25 @@ def test_pipeline_refuses_test_and_predict_naming_the_way_out(fn):
     with pytest.raises(ConfigError, match=rf"does not support: Trainer\.{fn} \(only fit and validate .*run {fn} with "
                        r"pipeline_parallel_size=1, or `lightning-moe generate CKPT`\)"):
         driver._check(strategy, trainer)
+
+
+@pytest.mark.parametrize("sharding", ["SHARD_GRAD_OP", "FULL_SHARD"])
+def test_pipeline_refuses_the_zero_bubble_schedule_on_sharded_stages(sharding):
+    """Its weight-gradient passes run outside FSDP2's backward hooks: those gradients came out zero."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_moe.parallel.config_error import ConfigError
+    from lightning_moe.strategies.pipeline_step import PipelineDriver
+
+    module = SimpleNamespace(automatic_optimization=True, pipeline_loss=lambda logits, targets: logits)
+    strategy = SimpleNamespace(lightning_module=module, _grad_scaler=None, checkpointing=SimpleNamespace(sharded=True),
+                               sharding_strategy=sharding)
+    trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), accumulate_grad_batches=1)
+    driver = PipelineDriver("ZBVZeroBubble", 2, None, None)
+    with pytest.raises(ConfigError, match=rf"does not support: pipeline_schedule='ZBVZeroBubble' with "
+                       rf"sharding_strategy='{sharding}' \(its separate weight-gradient passes .* use '1F1B' or "
+                       r"'Interleaved1F1B', or sharding_strategy='NO_SHARD'\)"):
+        driver._check(strategy, trainer)
+    PipelineDriver("1F1B", 2, None, None)._check(strategy, trainer)  # the other schedules run sharded

@@ -6,8 +6,10 @@ gradient accumulation on one process by ``test_pipeline_parity.py`` and against 
 1F1B and Interleaved1F1B (two stages per rank), ``num_microbatches=4``: the loss of every step,
 the validation loss and every parameter and expert bias after 3 AdamW steps must match at fp32
 tolerance, with aux loss, z loss, expert bias and clipping on (experts sharded over EDP=2, the
-rest over DP=2, each rank holding only its stages' parameters). The reduce-scatters are held off
-during the schedule: each FSDP2 unit reduces at most once per step (not once per micro-batch).
+rest over DP=2, each rank holding only its stages' parameters). Each stage module is the one FSDP2
+root of its units. By default each FSDP2 unit reduce-scatters once per micro-batch (no unsharded
+gradient outlives a micro-batch's backward); with ``defer_gradient_reduction=True`` (1F1B,
+FULL_SHARD) once per step, with the same results.
 
 Resume. Oracle: the weights the saving run held. A PP=2 x FULL_SHARD checkpoint loaded at PP=1 x
 NO_SHARD, and a PP=1 checkpoint loaded at PP=2 x FULL_SHARD, give bitwise the same weights.
@@ -29,6 +31,7 @@ import pytest
 import torch
 from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
+from helpers.fsdp import root_states
 from lightning.pytorch.callbacks import Callback
 from strategies.test_pipeline_parity import CLIP, Measure, dataset, model_config
 from strategies.toy import quiet_trainer_kwargs
@@ -93,9 +96,12 @@ def _fit(schedule: str, sharding: str, pp: int = 2, steps: int = STEPS, ckpt_pat
             mock.patch.object(model_setup, "materialize", counting_materialize):
         trainer.fit(module, DataLoader(dataset(2 * STEPS * BATCH), batch_size=BATCH),
                     DataLoader(dataset(2 * BATCH), batch_size=BATCH), ckpt_path=ckpt_path)
+    stages = strategy.pipeline_stages
     return {
         "losses": torch.tensor(measure.losses), "val_loss": trainer.callback_metrics.get("val_loss"),
         "units": sum(isinstance(m, FSDPModule) for m in module.modules()), "reductions": count.per_step,
+        "stage roots": [isinstance(s, FSDPModule) and s._get_fsdp_state()._is_root for s in stages],
+        "roots": len(root_states([module, *stages])),
         "materialised": materialised, "params": sum(p.numel() for p in module.parameters()),  # global shapes
         "state": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
                   for k, v in module.state_dict().items()},
@@ -109,6 +115,7 @@ def _runs(rank: int, world_size: int, tmp: str) -> dict:
         if run == ("1F1B", "FULL_SHARD"):
             trainer.save_checkpoint(f"{tmp}/pp2_full_shard.ckpt")
     out["meta"] = _fit("1F1B", "FULL_SHARD", meta=True)[0]
+    out["deferred"] = _fit("1F1B", "FULL_SHARD", defer_gradient_reduction=True)[0]
     for sharding in ("NO_SHARD", "FULL_SHARD"):  # TP=2: the router's TP-partial gradients summed over tp
         out[f"tp2 {sharding}"] = _fit("1F1B", sharding, **TP2)[0]
     # PP=2 x FULL_SHARD -> PP=1 x NO_SHARD (DP=4): loaded at the saved step, no step taken.
@@ -134,12 +141,21 @@ def test_sharded_pipeline_equals_replicated(ranks, run):
         got, want = result[run], result[(schedule, "NO_SHARD")]
         assert got["units"] > 0 and want["units"] == 0, (rank, got["units"], want["units"])
         assert len(got["losses"]) == STEPS
-        assert len(got["reductions"]) == STEPS and min(got["reductions"]) > 0, (rank, got["reductions"])
-        assert max(got["reductions"]) <= got["units"], (rank, got["reductions"], got["units"])  # once, not per micro-batch
+        assert got["reductions"] == [M * got["units"]] * STEPS, (rank, got["reductions"], got["units"])  # per micro-batch
+        assert all(got["stage roots"]) and got["roots"] == len(got["stage roots"]), (rank, got["stage roots"], got["roots"])
         torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, r=rank: f"rank {r} losses: {m}")
         assert got["val_loss"] is not None
         torch.testing.assert_close(got["val_loss"], want["val_loss"], rtol=1e-5, atol=1e-6)
+        assert_states_close(got["state"], want["state"], 1e-5, 1e-5, f"rank {rank}")
+
+
+def test_deferred_reduction_reduces_once_per_step_with_the_same_results(ranks):
+    for rank, result in enumerate(ranks):
+        got, want = result["deferred"], result[("1F1B", "NO_SHARD")]
+        assert got["reductions"] == [got["units"]] * STEPS, (rank, got["reductions"], got["units"])  # once per step
+        torch.testing.assert_close(got["losses"], want["losses"], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, r=rank: f"rank {r} losses: {m}")
         assert_states_close(got["state"], want["state"], 1e-5, 1e-5, f"rank {rank}")
 
 

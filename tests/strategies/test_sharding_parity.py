@@ -5,7 +5,9 @@ Oracle: the ``NO_SHARD`` run of the same case (itself checked against one proces
 (TP, EP, ETP) in (1, 2, 1), (1, 4, 1), (2, 2, 1), with and without gradient accumulation and
 clipping, ``SHARD_GRAD_OP`` and ``FULL_SHARD`` must give the same loss at every micro-batch, the
 same global gradient norm and the same parameters after 3 AdamW steps (fp32 tolerance), with the
-aux loss and the aux-loss-free expert bias on.
+aux loss and the aux-loss-free expert bias on; so must ``defer_gradient_reduction=True`` with
+accumulation at TP=2. Under gradient accumulation each micro-batch's backward leaves only
+gradient shards (by default) or the unsharded gradients (deferred).
 
 Per-rank bytes of parameters, gradients and AdamW state are measured on the same runs and must
 equal the prediction: a rank's ``NO_SHARD`` bytes divided by the dense data-parallel size
@@ -23,8 +25,10 @@ import pytest
 import torch
 from helpers.asserts import assert_states_close
 from helpers.dist import run_distributed
+from helpers.fsdp import held_gradients, root_states
 from lightning.pytorch.callbacks import Callback
 from strategies.toy import quiet_trainer_kwargs
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -52,15 +56,22 @@ class Case:
     layout: tuple[int, int, int]
     accumulate: int = 1
     clip: float | None = None
+    defer: bool = False  # defer_gradient_reduction (sharded runs only)
 
     @property
     def name(self) -> str:
+        return self.oracle + ("-deferred" if self.defer else "")
+
+    @property
+    def oracle(self) -> str:
+        """The name of the case whose ``NO_SHARD`` run is the oracle (the same case without deferral)."""
         tp, ep, etp = self.layout
         extra = f"-accum{self.accumulate}-clip" if self.clip else ""
         return f"tp{tp}-ep{ep}-etp{etp}{extra}"
 
 
 CASES = [c for layout in LAYOUTS for c in (Case(layout), Case(layout, accumulate=2, clip=CLIP))]
+CASES.append(Case((2, 2, 1), accumulate=2, clip=CLIP, defer=True))
 
 
 def model_config(max_seq_len: int = SEQ) -> MoETransformerConfig:
@@ -92,6 +103,10 @@ class Measure(Callback):
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.bytes: dict[str, dict[str, int]] = {}
+        self.held: list[dict[str, int]] = []
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.held.append(held_gradients([pl_module]))  # after every micro-batch's backward
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(outputs["loss"].item())
@@ -123,7 +138,7 @@ def _fit(case: Case, sharding: str) -> dict:
     measure = Measure()
     strategy = MoEStrategy(
         tensor_parallel_size=tp, expert_parallel_size=ep, expert_tensor_parallel_size=etp,
-        sharding_strategy=sharding,
+        sharding_strategy=sharding, defer_gradient_reduction=case.defer,
     )
     trainer = L.Trainer(
         **quiet_trainer_kwargs(devices=WORLD, strategy=strategy, max_steps=STEPS, callbacks=[measure]),
@@ -144,14 +159,17 @@ def _fit(case: Case, sharding: str) -> dict:
     ctx = strategy.parallel_context
     return {
         "losses": measure.losses, "norms": measure.norms, "params": params, "bytes": measure.bytes, "rows": rows,
+        "held": measure.held, "local params": sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                                                  for p in module.parameters()),
         "sizes": {"dp_cp": ctx.size("dp_cp"), "edp": ctx.size("edp")},
         "view warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)],
+        "root": isinstance(module, FSDPModule) and [s is module._get_fsdp_state() for s in root_states([module])],
     }
 
 
 def _all(rank: int, world_size: int) -> dict:
     warnings.filterwarnings("ignore", message=".*redistributing from.*")
-    return {(case.name, s): _fit(case, s) for case in CASES for s in ("NO_SHARD", *STRATEGIES)}
+    return {(case.name, s): _fit(case, s) for case in CASES for s in (*(() if case.defer else ("NO_SHARD",)), *STRATEGIES)}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +181,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_losses_norms_and_parameters_equal_no_shard(runs, case, sharding):
     for rank, r in enumerate(runs):
-        want, got = r[(case.name, "NO_SHARD")], r[(case.name, sharding)]
+        want, got = r[(case.oracle, "NO_SHARD")], r[(case.name, sharding)]
         assert len(got["losses"]) == STEPS * case.accumulate
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
                                    rtol=LOSS_RTOL, atol=LOSS_ATOL, msg=lambda m, k=rank: f"rank {k} losses: {m}")
@@ -171,6 +189,32 @@ def test_losses_norms_and_parameters_equal_no_shard(runs, case, sharding):
         if case.clip is not None:
             assert min(want["norms"]) > 2 * case.clip  # clipping was active
         assert_states_close(got["params"], want["params"], PARAM_RTOL, PARAM_ATOL, f"rank {rank}")
+
+
+@pytest.mark.parametrize("sharding", STRATEGIES)
+def test_the_lightning_module_is_the_one_fsdp_root(runs, sharding):
+    """Its ``training_step`` calls its own forward: one root then drives every unit (streams, prefetch)."""
+    for rank, r in enumerate(runs):
+        for case in CASES:
+            assert r[(case.name, sharding)]["root"] == [True], (rank, case.name, r[(case.name, sharding)]["root"])
+
+
+@pytest.mark.parametrize("sharding", STRATEGIES)
+@pytest.mark.parametrize("case", [c for c in CASES if c.accumulate > 1], ids=lambda c: c.name)
+def test_gradient_accumulation_holds_gradient_shards_unless_deferred(runs, case, sharding):
+    """After each micro-batch's backward: by default only the gradient shards (the parameter shards'
+    elements, none unsharded); deferred, before a step's last micro-batch, no shard yet and (at
+    least) the ``NO_SHARD`` run's gradient elements unsharded (DP or EDP times the shards)."""
+    for rank, r in enumerate(runs):
+        got, replicated = r[(case.name, sharding)], r[(case.oracle, "NO_SHARD")]
+        assert len(got["held"]) == STEPS * case.accumulate, rank
+        for micro, held in enumerate(got["held"]):
+            if case.defer and (micro + 1) % case.accumulate:
+                # At least the NO_SHARD elements: under TP the vocabulary-parallel embedding's
+                # gradient comes out of autograd replicated over TP (the whole vocabulary).
+                assert held["sharded"] == 0 and held["unsharded"] >= replicated["local params"], (rank, micro, held)
+            else:
+                assert held == {"sharded": got["local params"], "unsharded": 0}, (rank, micro, held)
 
 
 def test_no_sharded_unit_returns_a_view(runs):
