@@ -55,7 +55,6 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue defect 7: the head gathers the logits over the vocabulary on every rank")
 @pytest.mark.parametrize(("name", "dims"), LAYOUTS, ids=[f"{n}-w{d.world_size}-tp{d.tp}" for n, d in LAYOUTS])
 def test_logits_and_loss_stay_sharded_over_the_vocabulary(name, dims):
     rank = dims.world_size - 1
