@@ -18,7 +18,9 @@ single-device, parallelism is applied afterwards in one fixed order: docs/archit
    weight is a function of those seeds (experts of their global index), so all ranks hold the same
    full model without communicating. It is built directly on this process's device.
 4. **Parallelize.** ``parallelize(model, ctx, dispatcher)``: tensor + sequence parallelism of
-   attention and dense layers over TP, then experts sharded over EP x ETP (each rank keeps its
+   attention and dense layers over TP (the output head keeps its logits sharded over the
+   vocabulary: ``model(tokens)`` is this rank's ``V / TP`` slice and ``model.loss`` the
+   vocabulary-parallel cross-entropy), then experts sharded over EP x ETP (each rank keeps its
    slice; the expert parameters are tagged so that steps 5 and 8 treat them as expert shards),
    with the token dispatcher bound to the expert groups. On CPU, ``agree_on_cpu_gemm(model)``
    makes every rank use the expert GEMM library rank 0 measured as fastest.

@@ -2,9 +2,13 @@
 
 Written for one device like any LightningModule; ``Trainer(strategy=MoEStrategy(...))`` makes it
 parallel. It logs what people look at while training a language model: ``train_loss`` (progress
-bar), ``val_loss`` and ``val_ppl`` (per target token, torchmetrics metrics; the same values under
-pipeline parallelism), the learning rate and ``tokens_per_sec`` (global tokens per second of host
-wall time spent in the training step: :meth:`MoELanguageModel.on_train_batch_end`). ``Trainer.test`` logs the validation metrics as ``test_loss`` and ``test_ppl``;
+bar), ``val_loss`` and ``val_ppl`` (per target token, torchmetrics metrics computed from the loss,
+the same values in every layout), the learning rate and ``tokens_per_sec`` (global tokens per second
+of host wall time spent in the training step: :meth:`MoELanguageModel.on_train_batch_end`). Under
+tensor parallelism the logits stay sharded over the vocabulary and the loss is the
+vocabulary-parallel cross-entropy (:meth:`MoETransformer.loss_sum
+<lightning_moe.models.MoETransformer.loss_sum>`); only ``forward`` and ``Trainer.predict`` gather
+the whole logits. ``Trainer.test`` logs the validation metrics as ``test_loss`` and ``test_ppl``;
 ``Trainer.predict`` returns next-token log-probabilities (:meth:`MoELanguageModel.predict_step`).
 A micro-batch whose targets are all ``IGNORE_INDEX`` has loss 0 (no NaN, no gradient); an empty
 batch is refused.
@@ -22,11 +26,10 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torchmetrics import Metric
-from torchmetrics.text import Perplexity
 
 from lightning_moe.data.token_check import check_token_ids, vocab_problem
 from lightning_moe.models import MoETransformer, MoETransformerConfig
-from lightning_moe.models.transformer import EMPTY_BATCH_HINT, next_token_loss, next_token_loss_sum
+from lightning_moe.models.transformer import EMPTY_BATCH_HINT
 from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean
@@ -113,9 +116,10 @@ class TokenMeanLoss(Metric):
 
 
 class TokenPerplexity(TokenMeanLoss):
-    """``exp`` of :class:`TokenMeanLoss`: ``val_ppl`` under pipeline parallelism, where only the
-    micro-batch losses reach every rank (no logits for torchmetrics' ``Perplexity``, whose value is
-    the same up to rounding). NaN only when no batch had a target."""
+    """``exp`` of :class:`TokenMeanLoss`, for ``val_ppl`` and ``test_ppl``: torchmetrics' ``Perplexity``
+    up to rounding, but from the losses, so it needs no logits (a pipeline's micro-batch losses are
+    all that reach every rank; tensor parallelism keeps the logits sharded over the vocabulary).
+    NaN only when no batch had a target."""
 
     def compute(self) -> Tensor:
         """``exp`` of the token-weighted mean loss (fp32)."""
@@ -226,10 +230,9 @@ class MoELanguageModel(L.LightningModule):
         # materialises only parameters and buffers it can re-draw, never a metric's running sums.
         with torch.device("cpu"):
             self.val_loss = TokenMeanLoss()
-            self.val_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
-            self.val_pipeline_perplexity = TokenPerplexity()  # val_ppl from the micro-batch losses under PP
+            self.val_perplexity = TokenPerplexity()
             self.test_loss = TokenMeanLoss()
-            self.test_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
+            self.test_perplexity = TokenPerplexity()
         self._step_started: float | None = None
         # The stages (training, validation, ...) whose first batch's token ids were checked.
         self._checked_stages: set[str] = set()
@@ -299,12 +302,14 @@ class MoELanguageModel(L.LightningModule):
             raise ConfigError(vocab_problem(data_vocab, self.config.vocab_size))
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """Logits ``[B, S, V]`` of ``tokens`` ``[B, S]``."""
-        return self.model(tokens)
+        """Logits ``[B, S, V]`` of ``tokens`` ``[B, S]`` (under tensor parallelism gathered over the
+        vocabulary on every rank: the training and evaluation steps keep them sharded)."""
+        return self.model.full_logits(self.model(tokens))
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        total, count = self.model.loss_sum(logits, targets, IGNORE_INDEX)
         # 0, still connected to the graph, for a micro-batch whose targets are all IGNORE_INDEX.
-        return next_token_loss(logits, targets, IGNORE_INDEX)
+        return total / count.clamp(min=1)
 
     def pipeline_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """One micro-batch's loss under pipeline parallelism: the last stage's logits against its targets.
@@ -330,23 +335,23 @@ class MoELanguageModel(L.LightningModule):
         every rank), micro-batch ``m`` holding the ``m``-th of ``M`` equal slices of ``targets``
         along dimension 0. Each weighs as many targets as it keeps (a micro-batch without targets,
         loss 0, adds nothing), so ``val_loss`` is the mean per target token over every batch and
-        rank, as at PP=1; ``val_ppl`` is its ``exp`` (:class:`TokenPerplexity`), what
-        ``Perplexity`` gives at PP=1 up to rounding. Counted on the device: no host read. Under
-        context parallelism ``targets`` are this CP rank's chunks and ``losses`` the whole sequences'
-        means: each CP rank weighs them by its own targets, so the sums over all ranks count every
-        target of the sequences once per pipeline rank, which keeps the ratio.
+        rank, as at PP=1, and ``val_ppl`` its ``exp`` (:class:`TokenPerplexity`). Counted on the
+        device: no host read. Under context parallelism ``targets`` are this CP rank's chunks and
+        ``losses`` the whole sequences' means: each CP rank weighs them by its own targets, so the
+        sums over all ranks count every target of the sequences once per pipeline rank, which keeps
+        the ratio.
         """
         kept = (targets != IGNORE_INDEX).reshape(losses.shape[0], -1).sum(1)
         self.val_loss.update(losses, kept)
         self.log("val_loss", self.val_loss, prog_bar=True)
-        self.val_pipeline_perplexity.update(losses, kept)
-        self.log("val_ppl", self.val_pipeline_perplexity)
+        self.val_perplexity.update(losses, kept)
+        self.log("val_ppl", self.val_perplexity)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """Mean next-token cross-entropy of this rank's micro-batch (0 if every target is ignored)."""
         inputs, targets = batch
         check_batch(inputs, targets, "training", batch_idx)
-        loss = self._training_loss(self(inputs), targets)
+        loss = self._training_loss(self.model(inputs), targets)  # logits sharded under tensor parallelism
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
@@ -358,22 +363,22 @@ class MoELanguageModel(L.LightningModule):
         ctx = strategy.parallel_context if hasattr(type(strategy), "parallel_context") else None
         if ctx is None or ctx.size("cp") == 1:
             return self._loss(logits, targets)
-        return cp_token_mean(*next_token_loss_sum(logits, targets, IGNORE_INDEX), ctx)
+        return cp_token_mean(*self.model.loss_sum(logits, targets, IGNORE_INDEX), ctx)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         """Validation loss and perplexity per target token, over every batch and rank."""
         self._evaluate(batch, batch_idx, "validation", "val", self.val_loss, self.val_perplexity)
 
     def _evaluate(self, batch: tuple[Tensor, Tensor], batch_idx: int, stage: str, prefix: str,
-                  loss: TokenMeanLoss, perplexity: Perplexity) -> None:
+                  loss: TokenMeanLoss, perplexity: TokenPerplexity) -> None:
         """Update and log ``<prefix>_loss`` and ``<prefix>_ppl`` with one batch."""
         inputs, targets = batch
         check_batch(inputs, targets, stage, batch_idx)
-        logits = self(inputs)
+        mean_loss, kept = self._loss(self.model(inputs), targets), self.pipeline_num_targets(targets)
         # Token-weighted (TokenMeanLoss): a batch without targets adds nothing instead of a 0.
-        loss(self._loss(logits, targets), self.pipeline_num_targets(targets))
+        loss(mean_loss, kept)
         self.log(f"{prefix}_loss", loss, prog_bar=prefix == "val")
-        perplexity(logits.float(), targets)
+        perplexity(mean_loss, kept)
         self.log(f"{prefix}_ppl", perplexity)
 
     def check_token_ids(self, batch: Any, stage: str, batch_idx: int) -> None:
@@ -422,7 +427,8 @@ class MoELanguageModel(L.LightningModule):
         ``batch`` is the inputs or a tuple whose first entry they are (``(inputs, targets)``, as
         :class:`~lightning_moe.lit.TextDataModule` gives; the targets are not used). The log-probability
         of the actual next tokens is ``out.gather(-1, targets.unsqueeze(-1))``. ``Trainer.predict``
-        returns one such tensor per batch (``B * S * V * 4`` bytes each: mind large vocabularies).
+        returns one such tensor per batch (``B * S * V * 4`` bytes each: mind large vocabularies; under
+        tensor parallelism every rank gathers the whole vocabulary's logits for it).
         """
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         if inputs.dim() != 2 or inputs.numel() == 0:

@@ -165,6 +165,12 @@ class MoETransformer(nn.Module):
     padded targets ``ignore_index`` in :meth:`loss`. Aux and z losses of the MoE layers reach the
     gradients by themselves (see :class:`~lightning_moe.MoELayer`); the training loss needs no term.
 
+    Under tensor parallelism the output head is sharded over the vocabulary and ``forward`` returns
+    this rank's slice of the logits, ``[B, S, V / TP]``, so that no rank holds ``B x S x V`` of them:
+    compute the loss with :meth:`loss` or :meth:`loss_sum` (vocabulary-parallel cross-entropy) and
+    get the whole logits, for inference, with :meth:`full_logits`. On one device these are plain
+    cross-entropy and the identity.
+
     Example::
 
         config = MoETransformerConfig(vocab_size=256, hidden_size=64, num_layers=2,
@@ -193,6 +199,10 @@ class MoETransformer(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._tie_weights()
+        self.vocab_parallel = None
+        """None on one device; set by tensor parallelism, whose head leaves the logits sharded over the
+        vocabulary: an object with ``loss_sum(logits, targets, ignore_index)`` and ``gather(logits)``
+        (:class:`~lightning_moe.parallel.vocab_parallel_loss.VocabParallelLogits`)."""
         if not self.embed.weight.is_meta:
             self.reset_parameters()
 
@@ -252,7 +262,8 @@ class MoETransformer(nn.Module):
     def forward(
         self, tokens: Tensor, padding_mask: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Tensor:
-        """Next-token logits: ``tokens`` ``[B, S]`` int64 -> ``[B, S, V]``.
+        """Next-token logits: ``tokens`` ``[B, S]`` int64 -> ``[B, S, V]`` (``[B, S, V / TP]``, this rank's
+        vocabulary slice, under tensor parallelism: see the class docstring).
 
         ``position_ids`` (``[S]`` integers, default ``0 .. S-1``) are the tokens' positions for the
         rotary embedding; context parallelism passes each rank's chunks of the longer sequence.
@@ -287,7 +298,7 @@ class MoETransformer(nn.Module):
         x = self.embed(tokens)  # [B, S, H]
         for layer in self.layers:
             x = layer(x, cos, sin, padding_mask)
-        return self.lm_head(self.norm(x))  # [B, S, V]
+        return self.lm_head(self.norm(x))  # [B, S, V] ([B, S, V / TP] under tensor parallelism)
 
     def loss(
         self, tokens: Tensor, targets: Tensor, ignore_index: int = -100, padding_mask: Tensor | None = None
@@ -296,9 +307,28 @@ class MoETransformer(nn.Module):
 
         Targets equal to ``ignore_index`` are left out of the mean (all of them: 0, see
         :func:`next_token_loss`); ``padding_mask`` goes to :meth:`forward` (it keeps padded tokens
-        out of the MoE statistics).
+        out of the MoE statistics). Under tensor parallelism the logits stay sharded (:meth:`loss_sum`).
         """
-        return next_token_loss(self(tokens, padding_mask), targets, ignore_index)
+        total, count = self.loss_sum(self(tokens, padding_mask), targets, ignore_index)
+        return total / count.clamp(min=1)  # as next_token_loss: 0 without targets, no host read
+
+    def loss_sum(self, logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+        """``(fp32 sum of the cross-entropies, number of targets kept)`` of this model's ``logits`` against
+        ``targets`` ``[B, S]`` (:func:`next_token_loss_sum`), for means over several micro-batches or ranks.
+
+        ``logits`` are :meth:`forward`'s output: under tensor parallelism this rank's vocabulary slice,
+        whose loss is the vocabulary-parallel cross-entropy of :attr:`vocab_parallel` (the same value
+        on every rank of the tensor-parallel group, the full logits never gathered).
+        """
+        if self.vocab_parallel is None:
+            return next_token_loss_sum(logits, targets, ignore_index)
+        return self.vocab_parallel.loss_sum(logits, targets, ignore_index)
+
+    def full_logits(self, logits: Tensor) -> Tensor:
+        """The logits ``[..., V]`` over the whole vocabulary from :meth:`forward`'s output: ``logits`` itself
+        on one device, all-gathered over the tensor-parallel group otherwise (inference: ``B x S x V`` on
+        every rank)."""
+        return logits if self.vocab_parallel is None else self.vocab_parallel.gather(logits)
 
     @classmethod
     def from_pretrained(

@@ -4,8 +4,8 @@ FSDP2 registers its pre-backward hook (which all-gathers a unit's parameters aga
 under ``FULL_SHARD``) on every output tensor of a unit. A view loses such a hook when it is
 modified in place, so torch warns, once per rank and unit, when a unit returns one ("FSDP2-wrapped
 module ... returned a view tensor"). The reference transformer under tensor parallelism does: its
-vocabulary-parallel head gathers the logits into a DTensor, and ``DTensor.to_local()`` returns a
-view of the gathered tensor. :func:`return_no_views` makes such outputs plain aliases (same
+vocabulary-parallel head returns this rank's slice of the logits with ``DTensor.to_local()``, a
+view of the DTensor's local tensor. :func:`return_no_views` makes such outputs plain aliases (same
 memory, same version counter, no copy; the gradient passes through unchanged), on which an in-place
 op keeps FSDP's hook, so there is neither the hazard nor the warning.
 """

@@ -16,7 +16,11 @@ Applied with ``torch.distributed.tensor.parallel`` on the dense mesh's ``tp`` di
   projection, normalises it with a replicated weight and hands each rank its heads back;
 * every MoE layer receives this rank's *local* sequence slice: the ranks of a TP group route
   distinct tokens, which is what MoE parallel folding expects (experts live on EP, not TP);
-* the output head is sharded over the vocabulary and its logits gathered.
+* the output head is column-parallel over the vocabulary (it gathers the sequence, as Megatron's
+  sequence parallelism does before the head) and its logits stay sharded: each TP rank holds
+  ``[B, S, V / TP]`` of them, the model's loss is the vocabulary-parallel cross-entropy
+  (:mod:`~lightning_moe.parallel.vocab_parallel_loss`, attached as ``model.vocab_parallel``) and
+  only inference gathers them (``model.full_logits``).
 
 Parameters sharded or replicated by these styles become DTensors; the gradient synchroniser
 then reduces them over DP x CP only (DTensor already reduces over TP). Parameters left plain (the
@@ -41,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models.mla import MultiLatentAttention
 from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.vocab_parallel_loss import VocabParallelLogits
 
 __all__ = [
     "GatheredNormParallel",
@@ -154,7 +159,8 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, object]:
     plan: dict[str, object] = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        # Local [B, S, V / TP] logits: gathering them would hold B x S x V on every rank.
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1)),
     }
     for i, block in enumerate(model.layers):
         prefix = f"layers.{i}"
@@ -216,6 +222,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
 
     model.register_forward_pre_hook(check_sequence_length)
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    model.vocab_parallel = VocabParallelLogits(tp_mesh, model.config.vocab_size)
     for block in model.layers:
         if isinstance(block.attn, MultiLatentAttention):
             block.attn.rope_key.register_forward_pre_hook(_rope_key_to_local)

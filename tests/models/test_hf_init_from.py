@@ -95,7 +95,8 @@ def _fit(rank: int, world_size: int, path: str, layout, sharding: str, checkpoin
     trainer.fit(module, DataLoader(dataset(), batch_size=LOCAL_BATCH))
     trainer.save_checkpoint(checkpoint)  # every rank writes its shards
     with torch.no_grad():
-        logits = module.model.eval()(probe_tokens())
+        model = module.model.eval()
+        logits = model.full_logits(model(probe_tokens()))  # each TP rank's output is its vocabulary slice
     logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     return {"built_on_meta": module.built_on_meta, "logits": logits, **module.first}
 

@@ -23,7 +23,7 @@ from parallel.parity import note_gradients, note_weights, step_and_zero
 from lightning_moe import MoEConfig
 from lightning_moe.layers import set_aux_loss_scale
 from lightning_moe.models import MoETransformer, MoETransformerConfig
-from lightning_moe.models.transformer import next_token_loss, next_token_loss_sum
+from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean, shard_batch
 from lightning_moe.parallel.grad_sync import GradSync
@@ -92,7 +92,8 @@ def _run(rank: int, world: int, layout: dict, comm_type: str, mla: bool) -> dict
         inputs, targets, padding = _batch(step, dp)
         mine = slice(dp_rank * SAMPLES_PER_REPLICA, (dp_rank + 1) * SAMPLES_PER_REPLICA)
         x, y, mask = shard_batch((inputs[mine], targets[mine], padding[mine]), ctx)
-        loss = cp_token_mean(*next_token_loss_sum(model(x, padding_mask=mask), y, IGNORE), ctx)
+        # The model's own loss: its logits are a vocabulary slice under tensor parallelism.
+        loss = cp_token_mean(*model.loss_sum(model(x, padding_mask=mask), y, IGNORE), ctx)
         loss.backward()
         sync.finish()
         # Oracle: the mean over replicas of each replica's token mean, on one device.

@@ -55,8 +55,7 @@ def _load(rank: int, world_size: int, path: str, layout: tuple[int, int, int], s
     state = model.state_dict()  # collective: the same order on every rank
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
     with torch.no_grad():
-        logits = model.eval()(tokens)
-    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        logits = model.full_logits(model.eval()(tokens))  # each TP rank's output is its vocabulary slice
     return {"state": full, "logits": logits, "bytes_read": read}
 
 

@@ -1,0 +1,78 @@
+"""The output head and the loss keep the logits sharded over the vocabulary at scale.
+
+Each preset is built on the meta device and parallelised as one fake rank of a tensor-parallel
+layout (`scale.fake_world`); its final norm and output head run on a sequence-sharded hidden state
+of ``SEQ`` tokens, then the model's loss forward and backward, inside a dispatch mode that records
+the largest tensor any operation creates. Megatron's vocabulary-parallel cross-entropy holds only
+this rank's ``V / TP`` columns of the logits (and their gradient): no tensor may be larger than the
+logits shard or the hidden states gathered over the sequence before the head (sequence
+parallelism), whichever is larger. A head that gathers the logits makes ``SEQ x V`` elements on
+every rank (Qwen3-30B-A3B at 8k tokens: 1.24e9, 5 GB in fp32, and as much again for their
+gradient).
+
+What the CPU cannot show: the allocator's peak on a GPU (``torch.cuda.max_memory_allocated``
+around the loss at TP > 1), which only a multi-GPU run measures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scale.fake_world import fake_rank, sharded_preset
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_moe.parallel import ParallelDims
+
+SEQ = 8192  # the sequence length of the issue's figure
+
+LAYOUTS = [
+    ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=8, etp=1)),
+    ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1)),
+    ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1)),
+]
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor (elements) any operation returns, and which operation made it.
+
+    The mode sees DTensor operations before DTensor runs them on the local shards: a DTensor
+    result counts with its local shard, what this rank allocates.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.where = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.where = t.numel(), f"{func} -> {tuple(t.shape)}"
+        return out
+
+
+@pytest.mark.parametrize(("name", "dims"), LAYOUTS, ids=[f"{n}-w{d.world_size}-tp{d.tp}" for n, d in LAYOUTS])
+def test_logits_and_loss_stay_sharded_over_the_vocabulary(name, dims):
+    rank = dims.world_size - 1
+    with fake_rank(rank, dims.world_size):
+        sharded = sharded_preset(name, dims, rank)
+        model, config, tp = sharded.model, sharded.config, dims.tp
+        vocab, hidden_size = config.vocab_size, config.hidden_size
+        local_hidden = torch.empty(1, SEQ // tp, hidden_size, device="meta", requires_grad=True)
+        hidden = DTensor.from_local(local_hidden, sharded.ctx.dense_mesh["tp"], (Shard(1),), run_check=False)
+        targets = torch.zeros(1, SEQ, dtype=torch.int64, device="meta")
+        bound = SEQ * max(vocab // tp, hidden_size)
+        with LargestTensor() as head:
+            logits = model.lm_head(model.norm(hidden))
+        assert not isinstance(logits, DTensor)
+        assert tuple(logits.shape) == (1, SEQ, vocab // tp), f"rank {rank} holds logits of shape {tuple(logits.shape)}"
+        assert head.numel <= bound, head.where
+        with LargestTensor() as loss:
+            total, count = model.loss_sum(logits, targets)
+            (total / count).backward()
+        assert loss.numel <= bound, loss.where
+        assert tuple(local_hidden.grad.shape) == tuple(local_hidden.shape)
