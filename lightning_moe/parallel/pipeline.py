@@ -413,7 +413,9 @@ class PipelineRunner:
             if weighted is not None:
                 weighted.finish()
         else:
-            schedule.eval(*args, **kwargs)
+            # Asked for outputs, a schedule keeps every micro-batch's head output (M x the logits) until
+            # the next step; the losses are all evaluation needs.
+            schedule.eval(*args, return_outputs=False, **kwargs)
         if self.has_last:
             loss = torch.stack([loss.detach().float() for loss in losses])
             loss = loss.mean() if train else loss

@@ -84,8 +84,20 @@ def _pipeline(rank: int, world_size: int) -> dict:
             "params": sorted(n for n, _ in model.named_parameters()),
             "counts": _counts(model),
             "eval": runner.eval(inputs, targets),
+            "outputs_kept": _outputs_kept(runner),
         }
     return out
+
+
+def _outputs_kept(runner: PipelineRunner) -> int:
+    """Micro-batch outputs the stages of ``runner``'s schedules still hold after a step or evaluation.
+
+    A schedule asked to return its outputs keeps every micro-batch's head output (the last
+    stage's logits, M times) until the next step; neither training nor evaluation needs them."""
+    stages = []
+    for schedule in runner._schedules.values():  # torch keeps one stage or a list of them
+        stages += getattr(schedule, "_stages", None) or [schedule._stage]
+    return sum(len(stage.output_chunks) for stage in stages)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +124,7 @@ def test_schedule_equals_gradient_accumulation(runs, want, schedule):
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
         for name, count in got["counts"].items():
             assert torch.equal(count, want["counts"][name]), (rank, name)
+        assert got["outputs_kept"] == 0, f"rank {rank}: {got['outputs_kept']} micro-batch outputs kept after eval"
         assert not held & set(got["params"]), "a parameter lives on both pipeline ranks"
         held |= set(got["params"])
     assert held == set(want["grads"]), "the stages together hold every parameter exactly once"
