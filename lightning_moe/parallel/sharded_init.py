@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -66,6 +67,7 @@ def local_block(weight: Tensor) -> tuple[tuple[int, int], ...] | None:
     return tuple(block)
 
 
+@torch.no_grad()
 def write_sharded(weight: Tensor, values: Tensor, index: int | None = None) -> None:
     """Write this rank's slice of ``values`` into the DTensor ``weight`` (or into ``weight[index]``).
 

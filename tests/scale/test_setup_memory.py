@@ -18,6 +18,7 @@ drawn tensor on a GPU machine; ``benchmarks/gpu_check.sh`` should compare
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -26,10 +27,15 @@ from helpers.live_bytes import LiveBytes, held_bytes
 from models.test_presets import load_preset
 from scale.fake_world import fake_rank
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_moe.layers.activations import is_gated
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
+from lightning_moe.parallel.sharded_init import local_block, write_sharded
 from lightning_moe.strategies.model_setup import materialize
 
 FP32 = 4  # initial values are drawn in fp32 whatever the parameters' dtype
@@ -78,3 +84,82 @@ def test_setup_peak_is_the_shard_plus_one_tensor(name, dims, sharding):
         f"setup peak {setup.peak / 2**30:.2f} GiB is the shard {shard / 2**30:.2f} GiB plus "
         f"{(setup.peak - shard) / 2**30:.2f} GiB; at most the largest drawn tensor ({draw / 2**30:.2f} GiB) may be added"
     )
+
+
+# (mesh sizes, global shape, placements): tensor-parallel shards, two shards of one dimension,
+# uneven shards.
+BLOCK_CASES = [
+    ((2, 4), (64, 3), (Replicate(), Shard(0))),
+    ((2, 4), (64, 6), (Shard(1), Shard(0))),
+    ((4, 2), (37, 5), (Shard(0), Shard(0))),
+]
+
+
+@pytest.mark.parametrize(("mesh_shape", "shape", "placements"), BLOCK_CASES, ids=[str(c[2]) for c in BLOCK_CASES])
+def test_write_sharded_cuts_what_dtensor_cuts(mesh_shape, shape, placements):
+    """Each value is its global index: on every rank, the shard written from the full values equals
+    the one ``distribute_tensor`` cuts; with ``index`` too (one expert of a stack whose dimension 0 is
+    not sharded)."""
+    world = math.prod(mesh_shape)
+    values = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    stacked = torch.stack([values, -values])
+    stacked_placements = tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements)
+    for rank in range(world):
+        with fake_rank(rank, world):
+            mesh = init_device_mesh("cpu", mesh_shape)
+            weight = distribute_tensor(torch.zeros(shape), mesh, placements, src_data_rank=None)
+            write_sharded(weight, values)
+            want = distribute_tensor(values, mesh, placements, src_data_rank=None).to_local()
+            assert torch.equal(weight.to_local(), want), rank
+            experts = distribute_tensor(torch.zeros(stacked.shape), mesh, stacked_placements, src_data_rank=None)
+            for index in range(2):
+                write_sharded(experts, stacked[index], index=index)
+            want = distribute_tensor(stacked, mesh, stacked_placements, src_data_rank=None).to_local()
+            assert torch.equal(experts.to_local(), want), rank
+
+
+# (DP, TP, rows, ranks): FSDP2 over a tensor-parallel row shard, uneven: 129 rows leave TP shards of
+# 33 and 30 rows, and DP shards of 5, 3, 0 and 4, 2 rows; DeepSeek-V3's vocabulary of 129280 leaves
+# 31 rows on the last DP rank.
+FSDP_TP_CASES = [(8, 4, 129, range(32)), (128, 8, 129280, (0, 517, 1023))]
+
+
+@pytest.mark.parametrize(("dp", "tp", "rows", "ranks"), FSDP_TP_CASES, ids=["129-rows", "deepseek-vocab"])
+def test_write_sharded_fills_fsdp2_shards_over_tensor_parallelism(dp, tp, rows, ranks):
+    """Oracle: the shard FSDP2 keeps of a tensor-parallel weight that held the values (each value its
+    global index). Its placements are strided; for uneven sizes ``distribute_tensor`` would cut
+    other rows (it interleaves), FSDP2 cuts each TP shard's rows in DP parts. Each rank's weight
+    gets a shape of its own: FSDP2 DTensors of one shape keep the mesh of the first fake rank that
+    built one in this process."""
+    for columns, rank in enumerate(ranks, start=1):
+        values = torch.arange(rows * columns, dtype=torch.float32).reshape(rows, columns)
+        with fake_rank(rank, dp * tp):
+            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+            held, written = (_fsdp_over_tp(start, mesh) for start in (values, torch.zeros_like(values)))
+            assert isinstance(written.placements[0], _StridedShard)
+            write_sharded(written, values)
+            assert torch.equal(written.to_local(), held.to_local()), rank
+
+
+def _fsdp_over_tp(values: torch.Tensor, mesh) -> torch.Tensor:
+    linear = torch.nn.Linear(values.shape[1], values.shape[0], bias=False)
+    linear.weight = torch.nn.Parameter(distribute_tensor(values, mesh["tp"], (Shard(0),), src_data_rank=None))
+    fully_shard(linear, mesh=mesh["dp"])
+    return linear.weight
+
+
+def test_a_shard_that_is_not_one_block_is_cut_by_dtensor():
+    """Strided placements that are not FSDP2's (rows 0 and 2 of 4 on one rank) fall back to
+    ``distribute_tensor``; the written shard is the one it cuts. With ``index`` they are refused."""
+    values = torch.arange(4 * 3, dtype=torch.float32).reshape(4, 3)
+    placements = (Shard(0), _StridedShard(0, split_factor=2))
+    for rank in range(4):
+        with fake_rank(rank, 4):
+            mesh = init_device_mesh("cpu", (2, 2))
+            weight = distribute_tensor(torch.zeros(4, 3), mesh, placements, src_data_rank=None)
+            assert local_block(weight) is None
+            write_sharded(weight, values)
+            want = distribute_tensor(values, mesh, placements, src_data_rank=None).to_local()
+            assert torch.equal(weight.to_local(), want), rank
+            with pytest.raises(ValueError, match="needs a shard that is one block"):
+                write_sharded(weight, values[0], index=0)
