@@ -188,12 +188,13 @@ class MoELanguageModel(L.LightningModule):
     Under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is built on the meta
     device, parallelised and materialised by the strategy (each rank draws only its shard), and with
     ``init_from`` each rank then reads only its own slices of the weights
-    (:func:`~lightning_moe.parallel.hf_load.load_hf_weights`), so no rank ever holds the whole model. The weights are read when the first loop starts (fit,
-    validate, test or predict), after Lightning restored a checkpoint: resuming with ``ckpt_path``
-    keeps the checkpoint's weights and reads nothing from ``init_from``. Checkpoints record the
-    directory's ``config.json`` and which tokenizer files it holds: ``lightning-moe export --format
-    hf`` writes that ``config.json`` back (training overrides such as ``max_seq_len`` do not change
-    it) and copies the tokenizer and ``generation_config.json``.
+    (:func:`~lightning_moe.parallel.hf_load.load_hf_weights`), so no rank ever holds the whole
+    model. The weights are read when the first loop starts (fit, validate, test or predict), after
+    Lightning restored a checkpoint: resuming with ``ckpt_path`` keeps the checkpoint's weights and
+    reads nothing from ``init_from``. Checkpoints record the directory's ``config.json`` and which
+    tokenizer files it holds: ``lightning-moe export --format hf`` writes that ``config.json`` back
+    (training overrides such as ``max_seq_len`` do not change it) and copies the tokenizer and
+    ``generation_config.json``.
     """
 
     def __init__(

@@ -359,9 +359,8 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Modules built here go straight to this rank's device; with ``empty_init=True`` to the meta
-        device instead, materialised in setup after sharding, so no rank ever holds the full model
-        (torchmetrics states keep their values on this rank's device: :func:`meta_weights`)."""
+        """Modules built here go straight to this rank's device; with ``empty_init=True`` their weights to
+        the meta device (:func:`meta_weights`), materialised in setup after sharding: no rank holds the model."""
         device = meta_weights(self.root_device) if empty_init else self.root_device
         with device, self.precision_plugin.tensor_init_context():
             yield
