@@ -237,27 +237,35 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self, layer_seed: int, std: float) -> None:
         """Draw every expert's weights from its own generator (see :func:`expert_generator`).
 
-        The full global expert is drawn and this shard's slice kept, so any expert / tensor
-        parallel layout holds the same numbers as one device.
+        Each global expert's fc1 and then its fc2 are drawn in full and this shard's slice kept, so
+        any expert / tensor parallel layout holds the same numbers as one device. One drawn tensor
+        is alive at a time (one expert's fc1 at most): never a layer's experts.
         """
         rank, size = self.ffn_shard
-        full_f = self.ffn_hidden_size * size
-        gated = is_gated(self.activation)
+        local_f = self.ffn_hidden_size
+        block = slice(rank * local_f, (rank + 1) * local_f)
         for local in range(self.num_experts):
             gen = expert_generator(layer_seed, self.expert_offset + local)
             # On the CPU, like the generator, whatever default device is active (Lightning builds
             # models under the accelerator's device context).
             fc1 = torch.empty(self.fc1_weight.shape[1] * size, self.hidden_size, device="cpu")
             fc1.normal_(0, std, generator=gen)
-            fc2 = torch.empty(self.hidden_size, full_f, device="cpu").normal_(0, std, generator=gen)
-            block = slice(rank * self.ffn_hidden_size, (rank + 1) * self.ffn_hidden_size)
-            if gated:
-                gate, up = fc1.chunk(2)
-                fc1 = torch.cat([gate[block], up[block]])
+            if is_gated(self.activation):
+                if size > 1:
+                    # This shard's gate rows then its up rows, moved to the top of the drawn tensor
+                    # (no second copy). Sources and targets never overlap: the up rows start at
+                    # full F >= 2 * local F, and the gate block moves only when it is not the first.
+                    full_f = local_f * size
+                    if rank:
+                        fc1[:local_f] = fc1[block]
+                    fc1[local_f : 2 * local_f] = fc1[full_f + block.start : full_f + block.stop]
+                write_full(self.fc1_weight, fc1[: 2 * local_f], index=local)
             else:
-                fc1 = fc1[block]
-            write_full(self.fc1_weight, fc1, index=local)
+                write_full(self.fc1_weight, fc1[block], index=local)
+            del fc1  # before fc2 is drawn
+            fc2 = torch.empty(self.hidden_size, local_f * size, device="cpu").normal_(0, std, generator=gen)
             write_full(self.fc2_weight, fc2[:, block], index=local)
+            del fc2
         if self.fc2_bias is not None:
             self.fc2_bias.zero_()
 

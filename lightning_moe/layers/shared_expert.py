@@ -80,6 +80,7 @@ class SharedExpertMLP(nn.Module):
             if linear is not None:
                 values = torch.empty(linear.weight.shape, dtype=torch.float32, device=generator.device)
                 write_full(linear.weight, values.normal_(0.0, std, generator=generator))
+                del values  # one drawn tensor alive at a time
 
     def extra_repr(self) -> str:
         """Show the activation and whether the output gate is on, next to the submodules."""

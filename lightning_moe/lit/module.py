@@ -189,15 +189,16 @@ class MoELanguageModel(L.LightningModule):
             switch: one host read per step). By default only the first batch of each stage (fit,
             validate, test, predict) is checked, so training pays no per-step host read.
 
-    With ``init_from`` under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is
-    built on the meta device, parallelised and materialised by the strategy, and each rank then
-    reads only its own slices of the weights (:func:`~lightning_moe.parallel.hf_load.load_hf_weights`),
-    so no rank ever holds the whole model. The weights are read when the first loop starts (fit,
-    validate, test or predict), after Lightning restored a checkpoint: resuming with ``ckpt_path``
-    keeps the checkpoint's weights and reads nothing from ``init_from``. Checkpoints record the
-    directory's ``config.json`` and which tokenizer files it holds: ``lightning-moe export --format
-    hf`` writes that ``config.json`` back (training overrides such as ``max_seq_len`` do not change
-    it) and copies the tokenizer and ``generation_config.json``.
+    Under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is built on the meta
+    device, parallelised and materialised by the strategy (each rank draws only its shard), and with
+    ``init_from`` each rank then reads only its own slices of the weights
+    (:func:`~lightning_moe.parallel.hf_load.load_hf_weights`), so no rank ever holds the whole
+    model. The weights are read when the first loop starts (fit, validate, test or predict), after
+    Lightning restored a checkpoint: resuming with ``ckpt_path`` keeps the checkpoint's weights and
+    reads nothing from ``init_from``. Checkpoints record the directory's ``config.json`` and which
+    tokenizer files it holds: ``lightning-moe export --format hf`` writes that ``config.json`` back
+    (training overrides such as ``max_seq_len`` do not change it) and copies the tokenizer and
+    ``generation_config.json``.
     """
 
     def __init__(
@@ -239,11 +240,13 @@ class MoELanguageModel(L.LightningModule):
         self.check_every_batch = check_every_batch
 
     def configure_model(self) -> None:
-        """Build the transformer (once; on the meta device under ``Trainer.init_module(empty_init=True)``,
-        and with ``init_from`` under a strategy that materialises meta-device models)."""
+        """Build the transformer (once). Under a strategy that materialises meta-device models
+        (:class:`~lightning_moe.strategies.MoEStrategy`) it is built on the meta device: the strategy
+        shards it and gives only this rank's part storage, drawn with the values of a one-device
+        build, so no rank holds the whole model. Elsewhere it is built with its weights."""
         if self.model is not None:
             return
-        if self.init_from is not None and _materialises_meta_models(self._trainer):
+        if _materialises_meta_models(self._trainer):
             with torch.device("meta"):
                 self.model = MoETransformer(self.config)
         else:

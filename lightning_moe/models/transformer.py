@@ -258,6 +258,7 @@ class MoETransformer(nn.Module):
                 values = torch.empty(weight.shape, dtype=torch.float32, device="cpu")
                 values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
                 write_full(weight, values)
+                del values  # one drawn tensor alive at a time
 
     def forward(
         self, tokens: Tensor, padding_mask: Tensor | None = None, position_ids: Tensor | None = None

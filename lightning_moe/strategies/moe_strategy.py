@@ -51,6 +51,7 @@ from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.collectives import WorldCollectives
+from lightning_moe.strategies.empty_init import meta_weights
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment, connect
 from lightning_moe.strategies.launcher import MoESubprocessLauncher
 from lightning_moe.strategies.load_errors import describe_allocation_failure
@@ -369,9 +370,9 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Modules built here go straight to this rank's device; with ``empty_init=True`` to the meta
-        device instead, materialised in setup after sharding, so no rank ever holds the full model."""
-        device = torch.device("meta") if empty_init else self.root_device
+        """Modules built here go straight to this rank's device; with ``empty_init=True`` their weights to
+        the meta device (:func:`meta_weights`), materialised in setup after sharding: no rank holds the model."""
+        device = meta_weights(self.root_device) if empty_init else self.root_device
         with device, self.precision_plugin.tensor_init_context():
             yield
 

@@ -1,0 +1,74 @@
+"""`LiveBytes`: the live and peak bytes of the storages that ops create while it is active.
+
+A ``TorchDispatchMode``: every op's outputs are looked at, each new storage (not on the meta
+device) is counted once, until it is freed (a ``weakref.finalize`` on the storage; torch keeps one
+Python object per storage, so it fires when the storage itself dies). Tensor subclasses that wrap
+others (DTensor) are counted through the tensors they hold. Works on real tensors and under
+``FakeTensorMode`` (enter the fake mode first), where nothing is allocated but sizes are real.
+
+Storages that existed before the mode was entered are not counted, and neither is memory an op
+uses internally and frees before returning (a kernel's workspace).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveBytes", "held_bytes"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """``live``: bytes of the storages created since entering that are still alive; ``peak``: its maximum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alive: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._count(tensor)
+        return out
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                inner = getattr(tensor, name)
+                if isinstance(inner, torch.Tensor):
+                    self._count(inner)
+            return
+        if tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self._alive:
+            return
+        self._alive.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, nbytes)
+
+    def _release(self, key: int, nbytes: int) -> None:
+        if key in self._alive:
+            self._alive.discard(key)
+            self.live -= nbytes
+
+
+def held_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the storages behind ``module``'s parameters and buffers (a DTensor's local shard;
+    a storage shared by tied weights once)."""
+    storages: dict[int, int] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.device.type != "meta":
+            storage = local.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
