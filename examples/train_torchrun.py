@@ -68,7 +68,7 @@ from lightning_moe import MoEConfig
 from lightning_moe.data import ByteTokenizer, build_datasets
 from lightning_moe.layers import set_aux_loss_scale
 from lightning_moe.models import MoETransformer, MoETransformerConfig
-from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
+from lightning_moe.parallel import ParallelDims, allow_mixed_tensors, build_parallel_context, parallelize
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
 from lightning_moe.parallel.dispatchers import DISPATCHERS
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()  # gradient buckets are reduced while backward runs ...
             sync.finish()  # ... and this waits for the last of them
             grad_norm = clip_grad_norm_(model.parameters(), args.clip, ctx)
-            optimizer.step()
+            with allow_mixed_tensors():  # foreach/fused AdamW over DTensors and plain expert shards
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
