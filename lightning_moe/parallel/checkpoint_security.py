@@ -322,18 +322,22 @@ def load_sharded(
         raise RuntimeError(f"Loading the checkpoint {path} failed: {type(failure).__name__}: {failure}") from err
 
 
-def load_torch_file(path: Path | str, weights_only: bool = True, data: bytes | None = None) -> Any:
+def load_torch_file(path: Path | str, weights_only: bool = True, data: bytes | None = None, mmap: bool = False) -> Any:
     """``torch.load(path)`` on the CPU; errors name the file.
 
     ``weights_only=True`` (the default) admits tensors and plain containers only and raises
     :class:`UnsafeCheckpointError` otherwise; pass False only for files you trust. ``data``: the
-    file's bytes, already read (and checked), parsed instead of reading the file again.
+    file's bytes, already read (and checked), parsed instead of reading the file again. ``mmap``:
+    map the file instead of reading it (``torch.load(mmap=True)``): the tensors are views of the
+    mapping, read from disk page by page as they are used, and nothing is copied into memory.
     """
     path = Path(path)
     if data is None and not path.is_file():
         raise FileNotFoundError(2, f"{path} does not exist or is not a file")
     try:
-        return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        if data is not None:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as err:
         if not weights_only:
             raise CheckpointIntegrityError(f"{path} cannot be read ({type(err).__name__}: {err}).") from err
