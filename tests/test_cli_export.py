@@ -16,8 +16,12 @@ the ``ep2`` checkpoint or small synthetic ones; the command line is checked in-p
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import resource
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -312,7 +316,9 @@ def test_truncated_shard_is_refused_even_without_verification(ep2_checkpoint, tm
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_failed_write_leaves_the_previous_output_and_no_temporary_file(tmp_path, monkeypatch):
+def test_failed_write_leaves_the_previous_output_and_no_temporary_file(tmp_path):
+    """A write that fails part-way (here past a file size limit: EFBIG, as a full disk gives ENOSPC)
+    raises the OSError with its errno and the output's name, and leaves the previous export."""
     model = reference_model()
     checkpoint = tmp_path / "in" / "consolidated.ckpt"
     checkpoint.parent.mkdir()
@@ -321,17 +327,16 @@ def test_failed_write_leaves_the_previous_output_and_no_temporary_file(tmp_path,
     out_dir.mkdir()
     out = out_dir / "weights.pt"
     out.write_bytes(b"previous export")
-    real_save = torch.save
-
-    def failing_save(obj, file, *args, **kwargs):
-        if isinstance(obj, dict) and "model.embed.weight" in obj:
-            file.write(b"half a file")
-            raise OSError(28, "No space left on device")
-        return real_save(obj, file, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="No space left on device"):
-        export_checkpoint(checkpoint, out, overwrite=True)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limits[1]))  # a few of the model's ~1 MiB of tensors
+    try:
+        with pytest.raises(OSError, match=rf"Could not write {re.escape(str(out))}: File too large") as info:
+            export_checkpoint(checkpoint, out, overwrite=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert info.value.errno == errno.EFBIG
     assert out.read_bytes() == b"previous export"
     assert sorted(p.name for p in out_dir.iterdir()) == ["weights.pt"]
 
