@@ -49,14 +49,17 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 
 def _local_view(value: Tensor, target: DTensor) -> DTensor:
-    """``value`` (a full global tensor) as a DTensor laid out like ``target``, its local tensor a
-    view of ``value``: this rank's box (as DCP computes it), nothing copied."""
+    """``value`` (a full global tensor) as a DTensor laid out like ``target``, its local tensor this
+    rank's box of ``value`` (as DCP computes it): a view on the CPU, a copy of the box alone on
+    another device."""
     mesh, placements = target.device_mesh, target.placements
     shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-    local = value.to(target.device)
+    local = value
     for dim, (start, size) in enumerate(zip(offset, shape)):
         local = local.narrow(dim, start, size)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
+    # Cut first, then move: only the slice goes to the device (on the CPU, no copy at all).
+    return DTensor.from_local(local.to(target.device), mesh, placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
 
 
 def distribute_full_tensors(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -87,7 +87,9 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
             (PyTorch FSDP2, dense over DP x CP, experts over EDP: :mod:`lightning_moe.parallel.fully_shard`).
         order: rank order of the folded layout, ``"tp-cp-ep-dp-pp"`` or ``"tp-cp-ep-pp-dp"``.
         bucket_size_mb: gradient reduction bucket size.
-        save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file.
+        save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file
+            (model weights only), which rank 0 writes as the tensors reach it, one at a time; every rank
+            loads it memory-mapped, taking only its own slices.
         verify_checkpoints: check the SHA-256 of every file on load (``meta.pt``, ``.metadata``, the
             shards; recorded at save); False skips the checksums for very large checkpoints on
             trusted storage. Sizes, paths, links and ``.metadata`` coverage are checked either way.
