@@ -55,19 +55,31 @@ def _pieces(mesh, placements: tuple, shape: tuple[int, ...]) -> tuple[tuple[int,
     return tuple(pieces)
 
 
+@functools.lru_cache(maxsize=256)
+def _holds(mesh, rank: int) -> bool:
+    return rank in mesh.mesh.flatten().tolist()
+
+
 def gather_full(value: Tensor, dst: int = 0) -> Tensor | None:
     """The full value of ``value`` on rank ``dst`` (a new tensor on its device), None on other ranks.
 
     A plain tensor is taken as replicated: ``dst``'s own (detached) value, no communication. For a
-    DTensor, call on every rank of its mesh and on ``dst``, for the same tensors in the same order:
-    the ranks holding a piece send it, ``dst`` receives each piece into its place.
+    DTensor, call on every rank, for the same tensors in the same order: the ranks of ``dst``'s mesh
+    that hold a piece send it, ``dst`` receives each piece into its place. A DTensor on a mesh of
+    some dimensions only (a tensor-parallel group) is gathered from ``dst``'s group; the other
+    groups hold replicas and send nothing.
     """
     rank = _rank()
     if not isinstance(value, DTensor):
         return value.detach() if rank == dst else None
     if any(p.is_partial() for p in value.placements):  # not in a state dict; reduce it first, everywhere
         value = value.redistribute(placements=[Replicate() if p.is_partial() else p for p in value.placements])
-    pieces = _pieces(value.device_mesh, tuple(value.placements), tuple(value.shape))
+    mesh = value.device_mesh
+    if rank != dst and not _holds(mesh, dst):
+        # A mesh of some dimensions only (tensor-parallel or FSDP2 weights): the ranks of dst's own
+        # group hold the tensor, this group a replica of it.
+        return None
+    pieces = _pieces(mesh, tuple(value.placements), tuple(value.shape))
     local = value.to_local()
     if rank != dst:
         for src, _, _ in pieces:

@@ -5,7 +5,10 @@ Oracles: the tensors that were written (``torch.load(weights_only=True)``, with 
 the DTensor was distributed from, on a 2 x 2 mesh of 4 gloo ranks at placements that cut it
 along every dimension, unevenly, replicated and strided (FSDP2 over a tensor-parallel shard).
 Full tensors loaded into a tensor-parallel model (as from a consolidated file) give back the same
-full tensors, and each rank's shard is a view, not a copy.
+full tensors, and each rank's shard is a view, not a copy. The reference transformer at TP=2, EP=2
+on 4 ranks (tensor-parallel weights on 2-rank sub-meshes, experts over EP) is written consolidated
+and equals the single-device model's state dict exactly; loaded back at that layout from the
+memory-mapped file and written again, it still does.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers.dist import run_distributed
 from helpers.memory import HeldBytes
 from torch import nn
@@ -23,7 +27,11 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_moe import MoEConfig
+from lightning_moe.models import MoETransformer, MoETransformerConfig
+from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.checkpoint import distribute_full_tensors
+from lightning_moe.parallel.checkpoint_security import load_torch_file
 from lightning_moe.parallel.consolidated import gather_full, write_consolidated
 from lightning_moe.parallel.torch_file_stream import TorchFileStream
 
@@ -89,19 +97,25 @@ def _gather_cases() -> dict[str, tuple]:
         "dim 1 twice (uneven)": (Shard(1), Shard(1)),
         "strided (FSDP2 over TP)": (_StridedShard(0, split_factor=2), Shard(0)),
         "replicated": (Replicate(), Replicate()),
+        # On one mesh dimension only (as tensor-parallel and FSDP2 weights are): the ranks of the
+        # other groups hold replicas and send nothing.
+        "sub-mesh a, inner dim": ("a", Shard(1)),
+        "sub-mesh b, dim 0": ("b", Shard(0)),
     }
 
 
 def _gather(rank: int, world_size: int, root: str) -> dict:
-    mesh = init_device_mesh("cpu", (2, 2))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     full = torch.arange(8 * 5 * 3, dtype=torch.float32).reshape(8, 5, 3)  # 5 and 3: uneven over 2 and 4
     out = {}
     for name, placements in _gather_cases().items():
-        value = distribute_tensor(full, mesh, placements)
+        on = mesh[placements[0]] if isinstance(placements[0], str) else mesh
+        value = distribute_tensor(full, on, placements[1:] if isinstance(placements[0], str) else placements)
         with HeldBytes([value]) as held:
             got = gather_full(value, dst=0)
         out[name] = {"ok": torch.equal(got, full) if rank == 0 else got is None, "peak": held.peak}
     out["tensor_parallel_load"] = _load_into_tensor_parallel_model()
+    _transformer_round_trip(Path(root))
     state = {"a": distribute_tensor(full, mesh, (Shard(1), Shard(0))), "b": torch.ones(3), "step": 4}
     write_consolidated(state, {"epoch": 1}, Path(root) / "model.pt")
     try:
@@ -125,6 +139,31 @@ def _load_into_tensor_parallel_model() -> dict:
     return {"equal": all(torch.equal(loaded[key], value) for key, value in full.items()), "peak": held.peak}
 
 
+def _transformer() -> MoETransformer:
+    torch.manual_seed(0)  # the same weights on every rank and in the single-device model
+    config = MoETransformerConfig(
+        vocab_size=64, hidden_size=16, num_layers=2, num_attention_heads=2, num_kv_heads=2, ffn_hidden_size=32,
+        max_seq_len=16, moe=MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2),
+    )
+    return MoETransformer(config)
+
+
+def _transformer_round_trip(root: Path) -> None:
+    """The reference transformer at TP=2, EP=2 (ETP=1, dense DP=2: tensor-parallel weights on
+    2-rank sub-meshes) written consolidated, then loaded into the same layout and written again."""
+    ctx = build_parallel_context(ParallelDims(dist.get_world_size(), tp=2, ep=2, etp=1), "cpu")
+    model = parallelize(_transformer(), ctx)
+    write_consolidated(model.state_dict(), {}, root / "transformer.pt")
+    dist.barrier()
+    fresh = parallelize(_transformer(), ctx)
+    with torch.no_grad():  # nothing of the first model survives unless the load puts it back
+        for param in fresh.parameters():
+            param.zero_()
+    full = load_torch_file(root / "transformer.pt", mmap=True)["state_dict"]
+    fresh.load_state_dict(distribute_full_tensors(fresh, full), strict=True)
+    write_consolidated(fresh.state_dict(), {}, root / "transformer_again.pt")
+
+
 def test_gather_full_puts_the_whole_tensor_on_rank_zero_only(tmp_path):
     results = run_distributed(_gather, 4, str(tmp_path), timeout_s=60, tmp_dir=tmp_path)
     full_bytes = 8 * 5 * 3 * 4
@@ -141,5 +180,11 @@ def test_gather_full_puts_the_whole_tensor_on_rank_zero_only(tmp_path):
     for rank, result in enumerate(results):
         load = result["tensor_parallel_load"]
         assert load["equal"] and load["peak"] <= BOOKKEEPING_BYTES, f"rank {rank}: {load}"
+    reference = _transformer().state_dict()
+    for name in ("transformer.pt", "transformer_again.pt"):  # saved at TP=2/EP=2, and after loading it there
+        state = torch.load(tmp_path / name, weights_only=True)["state_dict"]
+        assert sorted(state) == sorted(reference), name
+        for key, value in reference.items():
+            assert torch.equal(state[key], value), f"{name} {key}"
     # The error is rank 0's alone, raised after the gathers: the other ranks returned normally.
     assert "Is a directory" in results[0]["error"] and all(r["error"] is None for r in results[1:])
