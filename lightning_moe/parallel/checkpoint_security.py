@@ -32,6 +32,7 @@ import enum
 import io
 import pathlib
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -64,6 +65,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
+    "is_mappable",
     "load_sharded",
     "load_torch_file",
     "parse_dcp_metadata",
@@ -322,6 +324,12 @@ def load_sharded(
         raise RuntimeError(f"Loading the checkpoint {path} failed: {type(failure).__name__}: {failure}") from err
 
 
+def is_mappable(path: Path | str) -> bool:
+    """Whether ``torch.load(path, mmap=True)`` can map the file: ``torch.save``'s zip format (not the
+    legacy format of ``_use_new_zipfile_serialization=False``)."""
+    return zipfile.is_zipfile(path)
+
+
 def load_torch_file(path: Path | str, weights_only: bool = True, data: bytes | None = None, mmap: bool = False) -> Any:
     """``torch.load(path)`` on the CPU; errors name the file.
 
@@ -329,7 +337,8 @@ def load_torch_file(path: Path | str, weights_only: bool = True, data: bytes | N
     :class:`UnsafeCheckpointError` otherwise; pass False only for files you trust. ``data``: the
     file's bytes, already read (and checked), parsed instead of reading the file again. ``mmap``:
     map the file instead of reading it (``torch.load(mmap=True)``): the tensors are views of the
-    mapping, read from disk page by page as they are used, and nothing is copied into memory.
+    mapping, read from disk page by page as they are used, and nothing is copied into memory (a
+    file of torch's legacy format, which cannot be mapped, is read).
     """
     path = Path(path)
     if data is None and not path.is_file():
@@ -337,7 +346,7 @@ def load_torch_file(path: Path | str, weights_only: bool = True, data: bytes | N
     try:
         if data is not None:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
-        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap and is_mappable(path))
     except pickle.UnpicklingError as err:
         if not weights_only:
             raise CheckpointIntegrityError(f"{path} cannot be read ({type(err).__name__}: {err}).") from err

@@ -11,20 +11,25 @@ address lies in a file mapping of ``/proc/self/maps``).
 
 Upper bound on the live bytes of tensors (a view counts its whole storage); Python objects
 (pickles, bytes) are not tensors and not counted.
+
+:func:`peak_rss_growth` measures what the dispatcher cannot see, e.g. ``torch.load`` reading a
+file whose tensors no operator touches: the growth of the process's peak resident memory during a
+call, run in a forked child (Linux; ``/proc/self/clear_refs`` resets the peak first).
 """
 
 from __future__ import annotations
 
 import bisect
+import multiprocessing
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["HeldBytes", "storage_bytes", "tensors_in"]
+__all__ = ["HeldBytes", "peak_rss_growth", "storage_bytes", "tensors_in"]
 
 
 def tensors_in(obj) -> list[torch.Tensor]:
@@ -101,3 +106,39 @@ class HeldBytes(TorchDispatchMode):
     def _release(self, key: int, nbytes: int) -> None:
         self._seen.discard(key)
         self.live -= nbytes
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status", encoding="utf-8") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM")
+
+
+def _measure_in_child(queue, fn: Callable[[], object]) -> None:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+            clear.write("5")  # peak RSS := current RSS
+        before = _peak_rss()
+        fn()
+        queue.put(_peak_rss() - before)
+    except BaseException as err:  # reported to the parent, which raises it
+        queue.put(err)
+
+
+def peak_rss_growth(fn: Callable[[], object], timeout_s: float = 60.0) -> int:
+    """Bytes by which the peak resident memory grows while ``fn()`` runs in a forked child."""
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_measure_in_child, args=(queue, fn))
+    child.start()
+    try:
+        result = queue.get(timeout=timeout_s)
+    finally:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -76,6 +76,12 @@ def test_stream_loads_as_torch_save_does(tmp_path, mmap):
     assert state["tied"].untyped_storage().data_ptr() == state["tied_again"].untyped_storage().data_ptr()
 
 
+def test_a_legacy_format_file_is_read_when_it_cannot_be_mapped(tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save({"state_dict": {"w": torch.ones(3)}}, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(load_torch_file(path, mmap=True)["state_dict"]["w"], torch.ones(3))
+
+
 def test_stream_writes_each_tensor_when_added(tmp_path):
     """The bytes reach the file at add(), not at finish(): nothing accumulates in memory."""
     path = tmp_path / "stream.pt"
