@@ -17,6 +17,7 @@ the ``ep2`` checkpoint or small synthetic ones; the command line is checked in-p
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import resource
@@ -164,9 +165,13 @@ def test_generate_from_a_sharded_checkpoint_equals_an_argmax_loop_over_the_expor
 def test_export_format_hf_loads_in_transformers_with_equal_logits(trained, tmp_path):
     transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
     out = tmp_path / "hf"
-    summary = cli_main(["export", str(trained["checkpoint"]), str(out), "--format", "hf"])
+    # ~1 MiB of weights in shards of at most 256 KB, listed by the index, as transformers writes them.
+    summary = cli_main(["export", str(trained["checkpoint"]), str(out), "--format", "hf", "--max-shard-size", "256KB"])
     assert summary.kind == "sharded" and summary.verified and summary.output == out
-    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards == sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    assert (out / "config.json").is_file() and not (out / "model.safetensors").exists()
     # tiny_cpu.yaml's model (no q/k norm, softmax top-k) can only be Mixtral.
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf_model).__name__ == "MixtralForCausalLM"

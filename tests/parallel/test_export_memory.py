@@ -11,9 +11,9 @@ bound is the same ``2 T``: each shard is written tensor by tensor, never held wh
 
 Oracles: the exported file loads with ``torch.load(weights_only=True)`` and ``strict=True`` into
 the single-device model, equal to the saved weights; the Hugging Face directory reads back through
-the ``safetensors`` library (index and shard sizes checked against the files), through
-``MoETransformer.from_pretrained`` (the same weights, exactly) and through ``transformers``
-(the same logits as the original model, fp32 tolerance).
+the ``safetensors`` library (index and shard sizes checked against the files) and through
+``MoETransformer.from_pretrained`` (the same weights, exactly). ``tests/test_cli_export.py`` loads
+sharded exports of trained checkpoints in ``transformers``.
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ pytest.importorskip("safetensors", reason="the hf and test extras install safete
 # dcp.save in one process, and checkpoints written here without checksums.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-LOGITS_ATOL = 1e-5
-"""fp32 logits of the same weights through two implementations (summation order differs)."""
-
-
 def _config() -> MoETransformerConfig:
     return MoETransformerConfig(
         vocab_size=320, hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=128,
@@ -49,7 +45,7 @@ def _config() -> MoETransformerConfig:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
-    """The model, its state dict, and the same checkpoint sharded and consolidated."""
+    """The model's state dict, and the same checkpoint sharded and consolidated."""
     root = tmp_path_factory.mktemp("export_memory")
     torch.manual_seed(0)
     module = MoELanguageModel(_config())
@@ -61,7 +57,7 @@ def saved(tmp_path_factory) -> dict:
     torch.save({"epoch": 0, **record}, sharded / "meta.pt")
     consolidated = root / "consolidated.ckpt"
     torch.save({"state_dict": state, "epoch": 0, **record}, consolidated)
-    return {"module": module, "state": state, "sharded": sharded, "consolidated": consolidated}
+    return {"state": state, "sharded": sharded, "consolidated": consolidated}
 
 
 def _largest(state: dict) -> int:
@@ -113,14 +109,3 @@ def test_export_hf_writes_indexed_shards_one_tensor_at_a_time(saved, tmp_path):
     assert sorted(reloaded.state_dict()) == sorted(model_state)
     for key, value in reloaded.state_dict().items():
         assert torch.equal(value, model_state[key]), key
-
-
-def test_export_hf_shards_load_in_transformers(saved, tmp_path):
-    transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
-    out = tmp_path / "hf"
-    export_hf(saved["consolidated"], out, max_shard_size=3 * _largest(saved["state"]))
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = saved["module"].eval()(tokens)
-        logits = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=tokens).logits
-    torch.testing.assert_close(logits, expected, rtol=0.0, atol=LOGITS_ATOL * expected.abs().max().item())
