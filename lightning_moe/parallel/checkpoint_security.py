@@ -32,6 +32,7 @@ import enum
 import io
 import pathlib
 import pickle
+import weakref
 import zipfile
 from pathlib import Path
 from typing import Any, ClassVar
@@ -185,12 +186,23 @@ def parse_dcp_metadata(data: bytes, path: Path | str) -> _dcp_metadata.Metadata:
     return metadata
 
 
+_PATHS_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""Metadata whose storage paths were checked, by ``id`` (an export loads a few tensors at a time)."""
+
+
 def _check_storage_paths(metadata: _dcp_metadata.Metadata, source: str) -> None:
     # Every item must live in a file of the checkpoint directory itself ("../x" would read elsewhere).
+    if _PATHS_CHECKED.get(id(metadata)) is metadata:
+        return
+    checked: set[str] = set()
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
+        if isinstance(name, str) and name in checked:
+            continue
         if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
             raise UnsafeCheckpointError(f"{source} names the storage file {name!r}, which is not a file inside the checkpoint.")
+        checked.add(name)
+    _PATHS_CHECKED[id(metadata)] = metadata
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
