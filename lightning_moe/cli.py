@@ -88,7 +88,9 @@ def export_parser() -> ArgumentParser:
             f"{EXPORT_HELP} CKPT is a checkpoint of any layout: a sharded MoEStrategy directory (any TP/EP/ETP) "
             "or a consolidated file. OUT gets the model's global state dict, keys as in model.state_dict() of the "
             "single-device LightningModule: load it with torch.load(OUT, weights_only=True) and "
-            "model.load_state_dict(state, strict=True). No model class is needed; optimizer states are left out."
+            "model.load_state_dict(state, strict=True). No model class is needed; optimizer states are left out. "
+            "The export reads and writes one tensor at a time: it needs memory for about twice the largest tensor, "
+            "not for the model."
         ),
     )
     parser.add_argument("checkpoint", metavar="CKPT", type=str, help="The checkpoint directory or file.")
@@ -105,7 +107,11 @@ def export_parser() -> ArgumentParser:
         "--family", default=None, choices=["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"],
         help="--format hf: the Hugging Face family (default: the init_from directory's, else inferred).",
     )
-    parser.add_argument("--max-shard-size", dest="max_shard_size", default="5GB", help="--format hf: safetensors shard size.")
+    parser.add_argument(
+        "--max-shard-size", dest="max_shard_size", default="5GB",
+        help="--format hf: the largest safetensors file (bytes, or e.g. 5GB, 500MB); past it the weights go into "
+        "model-0000i-of-0000N.safetensors shards listed by model.safetensors.index.json, as transformers writes them.",
+    )
     parser.add_argument("--overwrite", action="store_true", help="Replace OUT if it exists (default: refuse).")
     parser.add_argument(
         "--no-verify", dest="no_verify", action="store_true",

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lightning_moe.parallel.checkpoint_security import is_mappable
 from lightning_moe.parallel.config_error import ConfigError
 
 __all__ = ["BUILD_KEYS", "checkpoint_hyperparameters"]
@@ -58,7 +59,8 @@ def checkpoint_hyperparameters(path: str | os.PathLike, class_names: set[str]) -
     records must be one of them (it is dropped, the configuration decides what is built). Raises
     :class:`~lightning_moe.parallel.config_error.ConfigError` naming the file and the key otherwise.
     """
-    checkpoint = torch.load(Path(path), weights_only=True, map_location="cpu")
+    # Mapped, not read: every rank parses the command line, and the weights are not needed here.
+    checkpoint = torch.load(Path(path), weights_only=True, map_location="cpu", mmap=is_mappable(path))
     hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
     if not hparams:
         return {}

@@ -16,8 +16,13 @@ the ``ep2`` checkpoint or small synthetic ones; the command line is checked in-p
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import re
+import resource
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -160,9 +165,13 @@ def test_generate_from_a_sharded_checkpoint_equals_an_argmax_loop_over_the_expor
 def test_export_format_hf_loads_in_transformers_with_equal_logits(trained, tmp_path):
     transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
     out = tmp_path / "hf"
-    summary = cli_main(["export", str(trained["checkpoint"]), str(out), "--format", "hf"])
+    # ~1 MiB of weights in shards of at most 256 KB, listed by the index, as transformers writes them.
+    summary = cli_main(["export", str(trained["checkpoint"]), str(out), "--format", "hf", "--max-shard-size", "256KB"])
     assert summary.kind == "sharded" and summary.verified and summary.output == out
-    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards == sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    assert (out / "config.json").is_file() and not (out / "model.safetensors").exists()
     # tiny_cpu.yaml's model (no q/k norm, softmax top-k) can only be Mixtral.
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf_model).__name__ == "MixtralForCausalLM"
@@ -312,7 +321,9 @@ def test_truncated_shard_is_refused_even_without_verification(ep2_checkpoint, tm
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_failed_write_leaves_the_previous_output_and_no_temporary_file(tmp_path, monkeypatch):
+def test_failed_write_leaves_the_previous_output_and_no_temporary_file(tmp_path):
+    """A write that fails part-way (here past a file size limit: EFBIG, as a full disk gives ENOSPC)
+    raises the OSError with its errno and the output's name, and leaves the previous export."""
     model = reference_model()
     checkpoint = tmp_path / "in" / "consolidated.ckpt"
     checkpoint.parent.mkdir()
@@ -321,17 +332,16 @@ def test_failed_write_leaves_the_previous_output_and_no_temporary_file(tmp_path,
     out_dir.mkdir()
     out = out_dir / "weights.pt"
     out.write_bytes(b"previous export")
-    real_save = torch.save
-
-    def failing_save(obj, file, *args, **kwargs):
-        if isinstance(obj, dict) and "model.embed.weight" in obj:
-            file.write(b"half a file")
-            raise OSError(28, "No space left on device")
-        return real_save(obj, file, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="No space left on device"):
-        export_checkpoint(checkpoint, out, overwrite=True)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limits[1]))  # a few of the model's ~1 MiB of tensors
+    try:
+        with pytest.raises(OSError, match=rf"Could not write {re.escape(str(out))}: File too large") as info:
+            export_checkpoint(checkpoint, out, overwrite=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert info.value.errno == errno.EFBIG
     assert out.read_bytes() == b"previous export"
     assert sorted(p.name for p in out_dir.iterdir()) == ["weights.pt"]
 

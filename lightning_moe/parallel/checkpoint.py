@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
 from lightning_moe.parallel.checkpoint_security import SafeFileSystemReader, SafeLoadPlanner, load_sharded
@@ -47,12 +48,28 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
 
 
+def _local_view(value: Tensor, target: DTensor) -> DTensor:
+    """``value`` (a full global tensor) as a DTensor laid out like ``target``, its local tensor this
+    rank's box of ``value`` (as DCP computes it): a view on the CPU, a copy of the box alone on
+    another device."""
+    mesh, placements = target.device_mesh, target.placements
+    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
+    local = value
+    for dim, (start, size) in enumerate(zip(offset, shape)):
+        local = local.narrow(dim, start, size)
+    # Cut first, then move: only the slice goes to the device (on the CPU, no copy at all).
+    return DTensor.from_local(local.to(target.device), mesh, placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
+
+
 def distribute_full_tensors(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """``state`` (full global tensors, e.g. a consolidated file) with each value whose tensor in
     ``model`` is a tensor-parallel or FSDP2 DTensor cut to this rank's shard of it.
 
     ``load_state_dict`` cannot copy a plain tensor into a DTensor. Expert tensors are left to the
-    experts' own load hooks. Every rank holds the full values, so nothing is communicated.
+    experts' own load hooks. Every rank holds the full values (e.g. a memory-mapped file), so
+    nothing is communicated; the shards are views of them, so nothing is copied either (the load
+    copies each view into its parameter).
     """
     targets = dict(model.named_parameters(remove_duplicate=False))
     targets.update(model.named_buffers(remove_duplicate=False))
@@ -60,7 +77,9 @@ def distribute_full_tensors(model: nn.Module, state: dict[str, Tensor]) -> dict[
     for key, value in state.items():
         target = targets.get(key)
         if isinstance(target, DTensor) and not isinstance(value, DTensor) and not is_expert_param(target):
-            out[key] = distribute_tensor(value.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+            if tuple(value.shape) != tuple(target.shape):
+                continue  # load_state_dict reports the size mismatch, naming the key
+            out[key] = _local_view(value, target)
     return out
 
 

@@ -15,7 +15,16 @@ is written with that directory's ``config.json``, unchanged except where the mod
 ``generation_config.json`` files, copied from the directory (a warning names those gone). The family defaults to the recorded one, else the
 only family the configuration can be (:func:`~lightning_moe.models.hf.infer_family`); what the
 family cannot hold is refused before anything is written. The directory is written under a hidden
-sibling name and renamed into place once complete. One process; the whole model in memory once.
+sibling name and renamed into place once complete.
+
+One process, one tensor at a time: the Hugging Face names, shapes and dtypes follow from the
+checkpoint's entries before any weight is read (:func:`~lightning_moe.parallel.checkpoint_reader.open_checkpoint`),
+so every shard's header is written first and each of our tensors is read when the writer reaches
+its first Hugging Face tensor, written out as its per-expert views, and dropped
+(:func:`~lightning_moe.models.hf.io.write_safetensors_lazily`). The process holds about twice the
+largest tensor (the tensor and the piece DCP is reading into it), never a shard or the model;
+shards ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json`` past
+``max_shard_size``, as ``transformers``' ``save_pretrained`` writes them.
 """
 
 from __future__ import annotations
@@ -29,14 +38,18 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.hf.config_export import infer_family
-from lightning_moe.models.hf.io import read_config, write_config, write_safetensors
+from lightning_moe.models.hf.io import TensorSpec, read_config, write_config, write_safetensors_lazily
 from lightning_moe.models.hf.source import copy_source_files, exported_config, source_files_in
-from lightning_moe.models.hf.weights import hf_tensors
-from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, read_checkpoint
+from lightning_moe.models.hf.weights import hf_defaults, hf_pieces
+from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, write_failure
 from lightning_moe.parallel.checkpoint_files import partial_path
+from lightning_moe.parallel.checkpoint_reader import CheckpointSource, Entry, open_checkpoint
 
 __all__ = ["MODEL_CONFIG_KEY", "config_from_dict", "export_hf", "model_record", "recorded_config"]
 
@@ -130,6 +143,38 @@ def _copy_source_files(record: dict[str, Any], target: Path) -> None:
         )
 
 
+class _HFLayout:
+    """The Hugging Face tensors of a checkpoint's model: names, shapes and dtypes up front (from the
+    checkpoint's entries), values read one of our tensors at a time when the writer asks for them."""
+
+    def __init__(self, source: CheckpointSource, entries: dict[str, Entry], config: MoETransformerConfig,
+                 family: str) -> None:
+        self.source, self.entries, self.config, self.family = source, entries, config, family
+        self.owner: dict[str, str] = {}  # Hugging Face name -> our key
+        self.specs: dict[str, TensorSpec] = {}
+        for key, entry in entries.items():
+            for name, piece in hf_pieces(key, torch.empty(entry.shape, dtype=entry.dtype, device="meta"), config,
+                                         family).items():
+                self.owner[name] = key
+                self.specs[name] = (piece.shape, piece.dtype)
+        self.defaults = hf_defaults(self.specs, config, family)
+        self.specs.update({name: (value.shape, value.dtype) for name, value in self.defaults.items()})
+        self._cached: tuple[str | None, dict[str, Tensor]] = (None, {})
+
+    def get(self, name: str) -> Tensor:
+        """The tensor ``name``: a view of the one of our tensors it comes from, read (and kept until
+        another is needed) on first use."""
+        if name in self.defaults:
+            return self.defaults[name]
+        key = self.owner[name]
+        if self._cached[0] != key:
+            self._cached = (None, {})  # drop the previous tensor before reading the next
+            entry = self.entries[key]
+            (value,) = self.source.read([entry]).values()
+            self._cached = (key, hf_pieces(key, value, self.config, self.family))
+        return self._cached[1][name]
+
+
 def export_hf(
     checkpoint: str | os.PathLike,
     output: str | os.PathLike,
@@ -154,30 +199,34 @@ def export_hf(
     """
     source, target = Path(checkpoint), Path(output)
     _check_output(target, source, overwrite)
-    state, kind, layout, verified, extras = read_checkpoint(source, verify=verify)
-    config, record = _record(extras, source)
+    opened = open_checkpoint(source, verify=verify)
+    config, record = _record(opened.extras, source)
     family = family or record.get("hf_family") or infer_family(config)
-    model_state = {key[len(_PREFIX):]: value for key, value in state.items() if key.startswith(_PREFIX)}
-    if not model_state:
+    entries = {entry.path[0][len(_PREFIX):]: entry for entry in opened.entries
+               if len(entry.path) == 1 and entry.path[0].startswith(_PREFIX) and entry.shape is not None}
+    if not entries:
         raise ValueError(f"{source} holds no 'model.*' weights: it is not a MoELanguageModel checkpoint.")
     hf_config = exported_config(  # refuses before writing
-        config, family, model_state["embed.weight"].dtype, record.get("hf_extra_config") or {},
+        config, family, entries["embed.weight"].dtype, record.get("hf_extra_config") or {},
         record.get("hf_source_config"),
     )
-    tensors = hf_tensors(model_state, config, family)
+    layout = _HFLayout(opened, entries, config, family)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = partial_path(target, uuid.uuid4().hex)
     try:
-        write_safetensors(tensors, partial, max_shard_size)
+        num_bytes = write_safetensors_lazily(layout.specs, layout.get, partial, max_shard_size)
         write_config(hf_config, partial)
         _copy_source_files(record, partial)
         _check_output(target, source, overwrite)  # it may have appeared while the checkpoint was read
         _replace_directory(partial, target)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             shutil.rmtree(partial)
-        raise
+        failure = write_failure(target, err)
+        if failure is err:
+            raise
+        raise failure from err
     return ExportedCheckpoint(
-        source=source, output=target, kind=kind, num_tensors=len(tensors),
-        num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()), layout=layout, verified=verified,
+        source=source, output=target, kind=opened.kind, num_tensors=len(layout.specs), num_bytes=num_bytes,
+        layout=opened.layout, verified=opened.verified,
     )

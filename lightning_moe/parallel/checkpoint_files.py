@@ -28,9 +28,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
-import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_moe.parallel.checkpoint_integrity import DCP_METADATA, META_DIGEST_FILE, META_FILE
@@ -49,7 +47,6 @@ __all__ = [
     "replace",
     "replaced_path",
     "write_bytes_file",
-    "write_torch_file",
 ]
 
 _PARTIAL = ".partial-"
@@ -161,18 +158,6 @@ def write_bytes_file(data: bytes, path: Path) -> None:
     """Write ``data`` to ``path``, flushed and ``fsync``-ed (a full disk raises the ``OSError``)."""
     with open(path, "wb") as file:
         file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def write_torch_file(obj: Any, path: Path) -> None:
-    """``torch.save(obj)`` to ``path`` through a Python file object, flushed and ``fsync``-ed.
-
-    Not torch.save's own writer: through a file object a full disk surfaces as the ``OSError``
-    with its errno; the fsync comes before the rename that publishes the file.
-    """
-    with open(path, "wb") as file:
-        torch.save(obj, file)
         file.flush()
         os.fsync(file.fileno())
 

@@ -32,6 +32,8 @@ import enum
 import io
 import pathlib
 import pickle
+import weakref
+import zipfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -64,6 +66,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
+    "is_mappable",
     "load_sharded",
     "load_torch_file",
     "parse_dcp_metadata",
@@ -183,12 +186,23 @@ def parse_dcp_metadata(data: bytes, path: Path | str) -> _dcp_metadata.Metadata:
     return metadata
 
 
+_PATHS_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""Metadata whose storage paths were checked, by ``id`` (an export loads a few tensors at a time)."""
+
+
 def _check_storage_paths(metadata: _dcp_metadata.Metadata, source: str) -> None:
     # Every item must live in a file of the checkpoint directory itself ("../x" would read elsewhere).
+    if _PATHS_CHECKED.get(id(metadata)) is metadata:
+        return
+    checked: set[str] = set()
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
+        if isinstance(name, str) and name in checked:
+            continue
         if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
             raise UnsafeCheckpointError(f"{source} names the storage file {name!r}, which is not a file inside the checkpoint.")
+        checked.add(name)
+    _PATHS_CHECKED[id(metadata)] = metadata
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -322,18 +336,29 @@ def load_sharded(
         raise RuntimeError(f"Loading the checkpoint {path} failed: {type(failure).__name__}: {failure}") from err
 
 
-def load_torch_file(path: Path | str, weights_only: bool = True, data: bytes | None = None) -> Any:
+def is_mappable(path: Path | str) -> bool:
+    """Whether ``torch.load(path, mmap=True)`` can map the file: ``torch.save``'s zip format (not the
+    legacy format of ``_use_new_zipfile_serialization=False``)."""
+    return zipfile.is_zipfile(path)
+
+
+def load_torch_file(path: Path | str, weights_only: bool = True, data: bytes | None = None, mmap: bool = False) -> Any:
     """``torch.load(path)`` on the CPU; errors name the file.
 
     ``weights_only=True`` (the default) admits tensors and plain containers only and raises
     :class:`UnsafeCheckpointError` otherwise; pass False only for files you trust. ``data``: the
-    file's bytes, already read (and checked), parsed instead of reading the file again.
+    file's bytes, already read (and checked), parsed instead of reading the file again. ``mmap``:
+    map the file instead of reading it (``torch.load(mmap=True)``): the tensors are views of the
+    mapping, read from disk page by page as they are used, and nothing is copied into memory (a
+    file of torch's legacy format, which cannot be mapped, is read).
     """
     path = Path(path)
     if data is None and not path.is_file():
         raise FileNotFoundError(2, f"{path} does not exist or is not a file")
     try:
-        return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        if data is not None:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap and is_mappable(path))
     except pickle.UnpicklingError as err:
         if not weights_only:
             raise CheckpointIntegrityError(f"{path} cannot be read ({type(err).__name__}: {err}).") from err

@@ -32,7 +32,11 @@ with ``weights_only=True`` and DCP's files through
 
 With ``save_distributed_checkpoint=False`` rank 0 writes one ``torch.save`` file of global tensors
 (model weights only; optimizer states are not consolidated), e.g. for inference; it is replaced
-atomically too.
+atomically too. The tensors reach rank 0 one at a time and are written as they arrive
+(:mod:`lightning_moe.parallel.consolidated`): rank 0 holds one full tensor and one received piece
+at most, the other ranks nothing beyond their shards. Loading it, every rank maps the file
+(``torch.load(mmap=True)``) and copies its own slices from the mapping, so no rank reads the
+whole model into its memory.
 """
 
 from __future__ import annotations
@@ -52,7 +56,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.tensor import DTensor
 
 from lightning_moe.parallel.checkpoint import (
     distribute_full_tensors,
@@ -74,7 +77,6 @@ from lightning_moe.parallel.checkpoint_files import (
     remove_path,
     replace,
     write_bytes_file,
-    write_torch_file,
 )
 from lightning_moe.parallel.checkpoint_integrity import (
     DCP_METADATA,
@@ -90,6 +92,7 @@ from lightning_moe.parallel.checkpoint_integrity import (
     verify_digests,
 )
 from lightning_moe.parallel.checkpoint_security import load_torch_file, read_sharded_metadata
+from lightning_moe.parallel.consolidated import write_consolidated
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
 from lightning_moe.strategies.checkpoint_paths import checkpoint_dirpaths, drop_outside_paths
 
@@ -260,19 +263,22 @@ class MoECheckpointing:
             raise describe_write_error(path, err) from err
 
     def _save_consolidated(self, checkpoint: dict[str, Any], path: Path, save_id: str) -> None:
-        state = {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in checkpoint.pop("state_dict").items()
-        }
+        state = checkpoint.pop("state_dict")
         checkpoint.pop("optimizer_states", None)
+        checkpoint[LAYOUT_KEY] = {"layout": self._layout(), "optimizer_param_groups": [], "save_id": save_id}
+        partial = self._on_rank_zero(lambda: self._guard_write(path, lambda: prepare_partial(path, save_id, False)))
+        error: BaseException | None = None
+        try:  # every rank: the tensors stream to rank 0 one at a time, rank 0 writes them as they come
+            write_consolidated(state, checkpoint, partial, dst=0)
+        except Exception as err:  # raised on rank 0 only, once every rank left the collectives
+            error = err
 
-        def write() -> None:
-            partial = self._guard_write(path, lambda: prepare_partial(path, save_id, False))
-            checkpoint["state_dict"] = state
-            checkpoint[LAYOUT_KEY] = {"layout": self._layout(), "optimizer_param_groups": [], "save_id": save_id}
-            self._guard_write(path, lambda: write_torch_file(checkpoint, partial))
-            self._guard_write(path, lambda: replace(partial, path, save_id))
+        def publish() -> None:
+            if error is not None:
+                raise error
+            replace(partial, path, save_id)
 
-        self._on_rank_zero(write)
+        self._on_rank_zero(lambda: self._guard_write(path, publish))
 
     def remove(self, path: Path, dirpaths: list[Path] | None = None) -> bool:
         """Delete the checkpoint ``path`` and what interrupted saves of it left; on rank 0 only,
@@ -342,7 +348,7 @@ class MoECheckpointing:
         safe = weights_only is not False
         path = self._on_rank_zero(lambda: self._resolve(path))
         if path.is_file():
-            checkpoint = load_torch_file(path, safe)
+            checkpoint = load_torch_file(path, safe, mmap=True)  # each rank copies its slices from the mapping
             model.load_state_dict(distribute_full_tensors(model, checkpoint.pop("state_dict")), strict=strict)
             checkpoint.pop(LAYOUT_KEY, None)
             if self.strategy.optimizers:

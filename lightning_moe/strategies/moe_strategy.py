@@ -93,7 +93,9 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
         bucket_size_mb: gradient reduction bucket size.
         grad_reduce_in_fp32: under ``NO_SHARD``, sum bf16/fp16 parameters' gradients in fp32 (default, Megatron's
             flag; two buckets in fp32 at a time), or in their own dtype (False): ``GradSync``.
-        save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file.
+        save_distributed_checkpoint: sharded checkpoint directories (True) or one consolidated file
+            (model weights only), which rank 0 writes as the tensors reach it, one at a time; every rank
+            loads it memory-mapped, taking only its own slices.
         verify_checkpoints: check the SHA-256 of every file on load (``meta.pt``, ``.metadata``, the
             shards; recorded at save); False skips the checksums for very large checkpoints on
             trusted storage. Sizes, paths, links and ``.metadata`` coverage are checked either way.

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.memory import peak_rss_growth
 from security.crafting import snapshot
 
 from lightning_moe import MoEConfig
 from lightning_moe.cli import MoECLI, cli_main
+from lightning_moe.cli_ckpt_hparams import checkpoint_hyperparameters
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models import MoETransformerConfig
 from lightning_moe.parallel.config_error import ConfigError
@@ -88,3 +90,15 @@ def test_plain_checkpoint_hyperparameters_still_configure_the_reference_model(tm
                     "--data.seq_len=16", f"--ckpt_path={ckpt}"])
     assert cli.model.hparams == hparams
     assert cli.model.config == config
+
+
+def test_reading_the_hyperparameters_does_not_read_the_weights(tmp_path):
+    """Every rank parses ``--ckpt_path FILE`` (the launcher runs the command once per rank): the
+    file is mapped, not read, so a consolidated checkpoint's weights never enter the ranks' memory
+    here (the peak resident memory grows by far less than the 64 MiB tensor)."""
+    checkpoint = tmp_path / "consolidated.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(16 << 20)}, "hyper_parameters": {"learning_rate": 0.5}}, checkpoint)
+    found = {}
+    growth = peak_rss_growth(lambda: found.update(checkpoint_hyperparameters(checkpoint, {"Model"})))
+    assert growth < 16 << 20, f"the peak resident memory grew by {growth / 2**20:.1f} MiB reading the hyperparameters"
+    assert checkpoint_hyperparameters(checkpoint, {"Model"}) == {"learning_rate": 0.5}

@@ -3,7 +3,11 @@
 The layout ``transformers`` reads and writes: one ``model.safetensors``, or shards
 ``model-00001-of-0000N.safetensors`` listed by ``model.safetensors.index.json``
 (``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file}}``). safetensors is
-an optional dependency (the ``hf`` extra), imported when a file is read or written.
+an optional dependency (the ``hf`` extra), imported when a file is read. Files are written here,
+tensor by tensor, in safetensors' format (a length-prefixed JSON header of names, dtypes, shapes
+and byte ranges, then the raw little-endian data): the library's writer needs every tensor of a
+file in memory at once (and copies each into a bytes object), which an export of a large model
+cannot afford.
 
 Model folders come from others, so the index is not trusted to name files: every shard it lists
 must be a plain file name in the folder (no ``..``, no absolute path, no subfolder), and a
@@ -17,7 +21,9 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+import struct
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +37,13 @@ __all__ = [
     "INDEX_NAME",
     "WEIGHTS_NAME",
     "SafetensorsReader",
+    "TensorSpec",
     "parse_size",
     "read_config",
     "weight_file",
     "write_config",
     "write_safetensors",
+    "write_safetensors_lazily",
 ]
 
 CONFIG_NAME = "config.json"
@@ -193,11 +201,28 @@ class SafetensorsReader:
         return self._handle(key).get_slice(key)
 
 
-def _shards(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[str]]:
+_DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+"""safetensors' names of the dtypes it stores."""
+_HEADER_ALIGNMENT = 8
+"""safetensors pads its JSON header with spaces so the data starts at a multiple of 8 bytes."""
+
+TensorSpec = tuple[torch.Size, torch.dtype]
+"""A tensor's shape and dtype, known before its data is read."""
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    return spec[0].numel() * spec[1].itemsize
+
+
+def _shards(specs: Mapping[str, TensorSpec], max_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
-    for key, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
+    for key, spec in specs.items():
+        nbytes = _nbytes(spec)
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
@@ -206,38 +231,78 @@ def _shards(tensors: Mapping[str, Tensor], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def write_safetensors(
-    tensors: Mapping[str, Tensor], path: str | os.PathLike, max_shard_size: int | str
-) -> None:
-    """Write ``tensors`` into the directory ``path`` as ``transformers`` lays them out.
+def _header(keys: list[str], specs: Mapping[str, TensorSpec]) -> bytes:
+    """The length-prefixed JSON header of a safetensors file holding ``keys`` in that order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key in keys:
+        shape, dtype = specs[key]
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"{key}: safetensors cannot store {dtype}.")
+        header[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + _nbytes(specs[key])]}
+        offset += _nbytes(specs[key])
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % _HEADER_ALIGNMENT)
+    return struct.pack("<Q", len(text)) + text
 
-    One ``model.safetensors`` when they fit in ``max_shard_size``, else shards in the given key
-    order with an index (a tensor larger than the limit gets a shard of its own). Weight files
-    of an earlier save in ``path`` are removed first, so no stale shard stays listed.
+
+def _write_data(file, key: str, tensor: Tensor, spec: TensorSpec) -> None:
+    if tuple(tensor.shape) != tuple(spec[0]) or tensor.dtype != spec[1]:
+        raise ValueError(f"{key}: the tensor is {list(tensor.shape)} {tensor.dtype}, but {list(spec[0])} {spec[1]} was declared.")
+    data = tensor.detach().to("cpu").contiguous()  # a copy only if it is not already a contiguous CPU tensor
+    file.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+
+
+def write_safetensors_lazily(
+    specs: Mapping[str, TensorSpec], get: Callable[[str], Tensor], path: str | os.PathLike, max_shard_size: int | str
+) -> int:
+    """Write the tensors named by ``specs`` into the directory ``path`` as ``transformers`` lays them out,
+    reading each through ``get(name)`` only when it is written; returns their total bytes.
+
+    One ``model.safetensors`` when they fit in ``max_shard_size``, else shards
+    ``model-0000i-of-0000N.safetensors`` in the order of ``specs`` with the index
+    ``model.safetensors.index.json`` (a tensor larger than the limit gets a shard of its own), as
+    ``save_pretrained(max_shard_size=...)`` does. Each file's header is written first, from the
+    shapes and dtypes of ``specs``, then each tensor's bytes as ``get`` returns it, so no shard is
+    ever held in memory: only the tensor ``get`` returns (and a contiguous copy of it when it is
+    not a contiguous CPU tensor). Within a file the tensors are laid out by decreasing dtype size,
+    as safetensors does, so each one's data is aligned to its dtype. Weight files of an earlier
+    save in ``path`` are removed first, so no stale shard stays listed.
     """
-    safetensors = _safetensors()
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors files are little-endian; writing them on a big-endian machine is not supported.")
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.iterdir():
         if old.name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_PATTERN.fullmatch(old.name):
             old.unlink()
-    shards = _shards(tensors, parse_size(max_shard_size))
+    shards = _shards(specs, parse_size(max_shard_size))
     names = [WEIGHTS_NAME] if len(shards) == 1 else [
         f"model-{number:05d}-of-{len(shards):05d}.safetensors" for number in range(1, len(shards) + 1)
     ]
     weight_map = {}
     for name, keys in zip(names, shards):
-        # Own contiguous CPU copies, one shard at a time: safetensors refuses views that share
-        # storage (the experts' slices of one stacked tensor).
-        owned = {
-            key: tensors[key].detach().to("cpu").clone(memory_format=torch.contiguous_format) for key in keys
-        }
-        safetensors.torch.save_file(owned, directory / name, metadata={"format": "pt"})
+        keys = sorted(keys, key=lambda k: -specs[k][1].itemsize)  # stable: the given order within a dtype size
+        with open(directory / name, "wb") as file:
+            file.write(_header(keys, specs))
+            for key in keys:
+                _write_data(file, key, get(key), specs[key])
+            file.flush()
+            os.fsync(file.fileno())
         weight_map.update(dict.fromkeys(keys, name))
-    if len(shards) == 1:
-        return
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(directory / INDEX_NAME, "w", encoding="utf-8") as handle:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        json.dump(index, handle, indent=2, sort_keys=True)
-        handle.write("\n")
+    total = sum(_nbytes(spec) for spec in specs.values())
+    if len(shards) > 1:
+        with open(directory / INDEX_NAME, "w", encoding="utf-8") as handle:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            json.dump(index, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+    return total
+
+
+def write_safetensors(
+    tensors: Mapping[str, Tensor], path: str | os.PathLike, max_shard_size: int | str
+) -> None:
+    """Write ``tensors`` into the directory ``path`` as ``transformers`` lays them out
+    (:func:`write_safetensors_lazily`, each tensor written from where it is, never a shard's copy)."""
+    specs = {key: (tensor.shape, tensor.dtype) for key, tensor in tensors.items()}
+    write_safetensors_lazily(specs, tensors.__getitem__, path, max_shard_size)

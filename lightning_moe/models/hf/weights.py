@@ -23,7 +23,8 @@ from torch import Tensor
 from lightning_moe.models.config import MoETransformerConfig
 
 __all__ = [
-    "Source", "check_leftovers", "hf_sources", "hf_state_dict", "hf_tensors", "read_source", "source_names",
+    "Source", "check_leftovers", "hf_defaults", "hf_pieces", "hf_sources", "hf_state_dict", "hf_tensors", "read_source",
+    "source_names",
 ]
 
 # Our attention parameter -> Hugging Face's (MHA names are the same; MLA as in DeepseekV3Attention).
@@ -209,34 +210,49 @@ def _check_leftovers(leftovers: set[str], config: MoETransformerConfig, family: 
         )
 
 
+def hf_pieces(key: str, value: Tensor, config: MoETransformerConfig, family: str) -> dict[str, Tensor]:
+    """The Hugging Face on-disk tensors (per-expert keys) of our state-dict entry ``key``: views of
+    ``value``, in the order ``save_pretrained`` writes them (nothing for the tied head)."""
+    if key == "lm_head.weight" and config.tie_embeddings:
+        return {}
+    match = _LAYER_KEY.fullmatch(key)
+    special = _special(match.group(2)) if match else None
+    if special is None:
+        return {_hf_name(key, config, family): value}
+    layer = f"model.layers.{match.group(1)}.{_moe_prefix(family)}"
+    if special == "ffn.shared_expert.fc1.weight":
+        gate_rows, up_rows = value.chunk(2)
+        return {f"{layer}.shared_experts.gate_proj.weight": gate_rows, f"{layer}.shared_experts.up_proj.weight": up_rows}
+    gate, up, down = _expert_names(family)
+    tensors: dict[str, Tensor] = {}
+    for e, expert in enumerate(value):
+        if special.endswith("fc1_weight"):
+            gate_rows, up_rows = expert.chunk(2)
+            tensors[f"{layer}.experts.{e}.{gate}.weight"] = gate_rows
+            tensors[f"{layer}.experts.{e}.{up}.weight"] = up_rows
+        else:
+            tensors[f"{layer}.experts.{e}.{down}.weight"] = expert
+    return tensors
+
+
+def hf_defaults(names: Iterable[str], config: MoETransformerConfig, family: str) -> dict[str, Tensor]:
+    """Tensors the family always has that a model without them writes as their neutral value
+    (DeepSeek-V3's score-correction bias, zeros), for those not among ``names``."""
+    if family != "deepseek_v3":
+        return {}
+    names = set(names)
+    out = {}
+    for index in config.moe_layers:
+        name = f"model.layers.{index}.mlp.gate.e_score_correction_bias"
+        if name not in names:
+            out[name] = torch.zeros(config.moe.num_experts, dtype=torch.float32)
+    return out
+
+
 def hf_tensors(state: Mapping[str, Tensor], config: MoETransformerConfig, family: str) -> dict[str, Tensor]:
     """The Hugging Face on-disk tensors (per-expert keys) of our state dict ``state``."""
     tensors: dict[str, Tensor] = {}
-    moe_prefix = _moe_prefix(family)
     for key, value in state.items():
-        if key == "lm_head.weight" and config.tie_embeddings:
-            continue
-        match = _LAYER_KEY.fullmatch(key)
-        special = _special(match.group(2)) if match else None
-        if special is None:
-            tensors[_hf_name(key, config, family)] = value
-            continue
-        layer = f"model.layers.{match.group(1)}.{moe_prefix}"
-        if special == "ffn.shared_expert.fc1.weight":
-            gate_rows, up_rows = value.chunk(2)
-            tensors[f"{layer}.shared_experts.gate_proj.weight"] = gate_rows
-            tensors[f"{layer}.shared_experts.up_proj.weight"] = up_rows
-            continue
-        gate, up, down = _expert_names(family)
-        for e, expert in enumerate(value):
-            if special.endswith("fc1_weight"):
-                gate_rows, up_rows = expert.chunk(2)
-                tensors[f"{layer}.experts.{e}.{gate}.weight"] = gate_rows
-                tensors[f"{layer}.experts.{e}.{up}.weight"] = up_rows
-            else:
-                tensors[f"{layer}.experts.{e}.{down}.weight"] = expert
-    if family == "deepseek_v3":  # transformers always has the score bias: a model without one has zeros
-        for index in config.moe_layers:
-            name = f"model.layers.{index}.mlp.gate.e_score_correction_bias"
-            tensors.setdefault(name, torch.zeros(config.moe.num_experts, dtype=torch.float32))
+        tensors.update(hf_pieces(key, value, config, family))
+    tensors.update(hf_defaults(tensors, config, family))
     return tensors
