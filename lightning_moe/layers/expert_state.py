@@ -56,9 +56,12 @@ def fc1_from_checkpoint(value: Tensor) -> Tensor:
     return value.flatten(1, 2) if value.dim() == 4 else value
 
 
-def _plain_tensor(value: object) -> bool:
-    # DTensors (a parallelised model's entries) are converted by lightning_moe.parallel's hooks.
-    return isinstance(value, Tensor) and not hasattr(value, "placements")
+def _one_device_fc1(module: nn.Module, value: object) -> bool:
+    # A sharded module's state dict is presented by lightning_moe.parallel's hooks (sharded_state_dict).
+    return (
+        isinstance(value, Tensor) and is_gated(module.activation)
+        and not getattr(module, "sharded_state_dict", False) and not hasattr(value, "placements")
+    )
 
 
 def present_checkpoint_layout(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -69,7 +72,7 @@ def present_checkpoint_layout(module: nn.Module, state_dict: dict, prefix: str, 
     """
     key = prefix + FC1_KEY
     value = state_dict.get(key)
-    if is_gated(module.activation) and _plain_tensor(value) and value.dim() == 3:
+    if _one_device_fc1(module, value) and value.dim() == 3:
         state_dict[key] = fc1_checkpoint_view(value)
 
 
@@ -78,5 +81,5 @@ def accept_checkpoint_layout(module: nn.Module, state_dict: dict, prefix: str, *
     stored ``[E, 2F, H]``; an older checkpoint's ``[E, 2F, H]`` passes unchanged."""
     key = prefix + FC1_KEY
     value = state_dict.get(key)
-    if is_gated(module.activation) and _plain_tensor(value) and value.dim() == 4 and value.shape[1] == 2:
+    if _one_device_fc1(module, value) and value.dim() == 4 and value.shape[1] == 2:
         state_dict[key] = fc1_from_checkpoint(value)

@@ -187,6 +187,9 @@ class GroupedExperts(nn.Module):
         """Global index of the first expert held here."""
         self.ffn_shard = (0, 1)
         """(rank, size) of this expert-tensor-parallel shard of the F dimension."""
+        self.sharded_state_dict = False
+        """Set by ``lightning_moe.parallel`` when its own hooks present this module's state dict
+        (global DTensors, either fc1 layout accepted): the one-device layout hooks then stand aside."""
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation

@@ -303,6 +303,7 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
     experts.num_experts, experts.expert_offset = nle, offset
     experts.ffn_hidden_size //= etp
     experts.ffn_shard = (ctx.rank_in("etp"), etp)
+    experts.sharded_state_dict = True  # these hooks present fc1 in either layout; the one-device ones stand aside
     hooks = _ExpertStateDictHooks(ExpertStateConverter(ctx))
     # Plain functions: torch tags public hooks with an attribute, which bound methods cannot take.
     experts.register_state_dict_post_hook(lambda *args: hooks.save(*args))

@@ -116,6 +116,9 @@ def _load_old(rank: int, world_size: int, folder: str, weights: dict, optim: dic
         fresh.load_state_dict(distribute_full_tensors(fresh, {k: v.clone() for k, v in weights.items()}))
         for name, param in fresh.named_parameters():
             assert torch.equal(_whole(param.detach()), stored_slice(name, weights[name], ctx)), (layout, "file", name)
+    wrong = {**weights, FC1: torch.zeros(E, 2, F + 2, H)}
+    with pytest.raises(ValueError, match=rf"{FC1}: expected the global shape \(4, 2, 8, 16\) or the older \(4, 16, 16\).*got \(4, 2, 10, 16\)"):
+        fresh.load_state_dict(distribute_full_tensors(fresh, wrong))
     return "ok"
 
 
@@ -124,7 +127,7 @@ def _load_old(rank: int, world_size: int, folder: str, weights: dict, optim: dic
 def test_older_fc1_layout_loads_on_one_device_and_sharded(tmp_path):
     """Written in the older layout (DCP folder with AdamW moments; one file); loaded on one device
     (both) and on 2 ranks at ETP=2, at EP=2 and under FULL_SHARD (both): exactly the saved values,
-    each rank its slice."""
+    each rank its slice. An fc1 of neither shape is refused naming both."""
     weights, optim = old_checkpoint()
     folder = str(tmp_path / "old_dcp")
     assert not dist.is_initialized()
