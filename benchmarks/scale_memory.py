@@ -13,7 +13,9 @@ first and the last rank (the larger is shown):
 * ``setup peak``: the largest live bytes while the shards are materialised and initialised, and
   its ratio to the rank's parameter bytes (1.0 = nothing beyond the shard ever lived);
 * ``state_dict``: bytes that ``model.state_dict()`` allocates beyond the parameters it returns
-  (0 when every entry is a view of a held shard; a gather shows here);
+  (0 when every entry is a view of a held shard; a gather shows here), counted on the local
+  tensors (``tests/scale/dispatch_audit.py``): a DTensor's wrapper reports its *global* size but
+  holds no storage, so it is not counted itself;
 * ``Megatron w+o``: the weight-and-optimizer bytes of Megatron-LM's ``report_theoretical_memory``
   formula (``megatron/training/theoretical_memory_usage.py``; not in the ``megatron-core`` wheel,
   so it is evaluated here from its published definition): the whole model's parameters, experts
@@ -38,7 +40,6 @@ import argparse
 import os
 import sys
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +47,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # scale harness
 
 from models.test_presets import load_preset
+from scale.dispatch_audit import DispatchAudit
 from scale.fake_world import fake_rank, local_numel
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
@@ -66,36 +66,6 @@ LAYOUTS = [
     ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1), "NO_SHARD"),
     ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1), "NO_SHARD"),
 ]
-
-
-class NewStorageCounter(TorchDispatchMode):
-    """Peak live bytes of storages that ops create, other than the ``known`` ones (by ``_cdata``):
-    what a call allocates beyond the tensors it returns views of."""
-
-    def __init__(self, known: set[int]):
-        super().__init__()
-        self.known, self.live, self.peak = known, 0, 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                self._count(tensor.untyped_storage())
-        return out
-
-    def _count(self, storage) -> None:
-        key = storage._cdata
-        if key in self.known or key in self._seen:
-            return
-        self._seen.add(key)
-        self.live += storage.nbytes()
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._release, key, storage.nbytes())
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
 
 
 def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -148,9 +118,9 @@ def measure_rank(config: MoETransformerConfig, dims: ParallelDims, sharding: str
                 materialize(model, torch.device("cpu"))
             setup_peak = setup.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
             held = {t.untyped_storage()._cdata for t in _local_tensors(model)}
-            with NewStorageCounter(held) as saving:
+            with DispatchAudit(held) as saving:
                 state = model.state_dict()
-            extra = saving.peak
+            extra = saving.peak_bytes
             del state
     megatron = megatron_weight_and_optimizer_bytes(config, dims, distributed=sharding != "NO_SHARD")
     return Row(local, setup_peak, extra, megatron)

@@ -129,7 +129,7 @@ def test_export_loads_strictly_into_the_single_device_model_with_equal_outputs(t
     model = reference_model()
     assert sorted(state) == sorted(model.state_dict())  # the model's keys, nothing else (no optimizer)
     assert all(type(v) is torch.Tensor for v in state.values())  # plain global tensors, no DTensor
-    assert state["model.layers.0.ffn.experts.fc1_weight"].shape == (8, 128, 64)
+    assert state["model.layers.0.ffn.experts.fc1_weight"].shape == (8, 2, 64, 64)  # gated: (E, 2, F, H)
     model.load_state_dict(state, strict=True)
     with torch.no_grad():
         logits = model.eval()(probe_tokens())

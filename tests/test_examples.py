@@ -101,7 +101,7 @@ def test_torchrun_script_trains_and_saves(tmp_path, layout):
     before = {k: v.clone() for k, v in state.items()}
     dcp.load(state, checkpoint_id=ckpt)
     assert all(not torch.equal(state[k], before[k]) for k in state), [k for k in state if torch.equal(state[k], before[k])]
-    assert state["layers.0.ffn.experts.fc1_weight"].shape == (8, 128, 64)
+    assert state["layers.0.ffn.experts.fc1_weight"].shape == (8, 2, 64, 64)  # gated: (E, 2, F, H)
 
 
 def test_script_refuses_to_run_without_torchrun(monkeypatch):
@@ -155,7 +155,7 @@ def test_expert_shards_stay_tagged_after_meta_materialisation(tmp_path):
     for rank, result in enumerate(results):
         assert result["tagged_on_meta"], rank
         assert result == {
-            "tagged_on_meta": True, "tagged_after_to_empty": True, "grad_group": "edp", "state_dict_shape": (4, 8, 8),
+            "tagged_on_meta": True, "tagged_after_to_empty": True, "grad_group": "edp", "state_dict_shape": (4, 2, 4, 8),
         }, (rank, result)
 
 

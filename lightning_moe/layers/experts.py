@@ -1,14 +1,18 @@
 """`GroupedExperts`: the routed experts of one MoE layer, stored as stacked weights.
 
-Weights follow the public state-dict format (docs/architecture.md §6), ``nn.Linear``'s (out, in)
-convention with one leading expert dimension:
+Weights are stored in ``nn.Linear``'s (out, in) convention with one leading expert dimension:
 
-* ``fc1_weight`` ``[E, 2F, H]`` for gated activations (the F gate rows, then the F up rows) or
-  ``[E, F, H]``;
+* ``fc1_weight`` ``[E, 2F, H]`` for gated activations (the F gate rows, then the F up rows, one
+  GEMM for both) or ``[E, F, H]``;
 * ``fc2_weight`` ``[E, H, F]``; optional ``fc2_bias`` ``[E, H]`` (scaled by the routing prob).
 
+The state dict is the public format (docs/architecture.md §6): the same tensors, except that a
+gated fc1 is presented as ``[E, 2, F, H]`` (gate, up), a view of the stored one, so that an
+expert-tensor-parallel rank's block is a plain shard of it (:mod:`~lightning_moe.layers.expert_state`,
+which also loads older ``[E, 2F, H]`` checkpoints).
+
 Expert-tensor parallelism shards fc1 by columns (its gate rows and its up rows separately) and
-fc2 by rows, so each rank's block is a slice of these tensors; ``shard_ffn`` records which one.
+fc2 by rows, so each rank's block is a slice of these tensors; ``ffn_shard`` records which one.
 
 Two kernels compute the same function (probs multiply the activation output, before fc2):
 
@@ -50,6 +54,7 @@ from lightning_moe.layers.expert_kernels import (
     expert_mlp,
     grouped_activation_fc2,
 )
+from lightning_moe.layers.expert_state import accept_checkpoint_layout, present_checkpoint_layout
 from lightning_moe.layers.permute import gather_rows, scatter_rows
 from lightning_moe.layers.weight_init import write_full
 
@@ -182,6 +187,9 @@ class GroupedExperts(nn.Module):
         """Global index of the first expert held here."""
         self.ffn_shard = (0, 1)
         """(rank, size) of this expert-tensor-parallel shard of the F dimension."""
+        self.sharded_state_dict = False
+        """Set by ``lightning_moe.parallel`` when its own hooks present this module's state dict
+        (global DTensors, either fc1 layout accepted): the one-device layout hooks then stand aside."""
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
@@ -207,6 +215,8 @@ class GroupedExperts(nn.Module):
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, fc1_rows, hidden_size, **factory))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **factory))
         self.fc2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory)) if fc2_bias else None
+        self.register_state_dict_post_hook(present_checkpoint_layout)
+        self.register_load_state_dict_pre_hook(accept_checkpoint_layout)
 
     def tag_parameter(self, name: str, attribute: str, value: object) -> None:
         """Attach ``attribute`` to parameter ``name`` and keep it attached across conversions.

@@ -44,8 +44,9 @@ class MoELayer(nn.Module):
     micro-batch without any) give an empty output, zero losses (logged as 0) and zero gradients.
 
     State dict (public format, docs/architecture.md §6): ``router.weight`` ``[E, H]``,
-    ``router.expert_bias`` ``[E]`` (with expert bias), ``experts.fc1_weight`` ``[E, 2F, H]``
-    (gate rows then up rows; ``[E, F, H]`` for plain activations), ``experts.fc2_weight``
+    ``router.expert_bias`` ``[E]`` (with expert bias), ``experts.fc1_weight`` ``[E, 2, F, H]``
+    for gated activations (index 0 the gate rows, 1 the up rows; older checkpoints' ``[E, 2F, H]``
+    loads too) or ``[E, F, H]``, ``experts.fc2_weight``
     ``[E, H, F]``, optional ``experts.fc2_bias`` ``[E, H]``, ``shared_expert.fc1.weight``,
     ``shared_expert.fc2.weight`` and ``shared_expert.gate.weight``.
 

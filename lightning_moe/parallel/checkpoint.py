@@ -155,7 +155,7 @@ def load_optimizer_state_dict(
         shard = expert_shard(p)
         local = {}
         for key, value in entries.items():
-            if shard is not None and converter is not None and tuple(value.shape) == shard.global_shape:
+            if shard is not None and converter is not None and converter.accepts(value, shard):
                 value = converter.to_local(value, shard, p.shape[0], name=f"{names[id(p)]}/{key}")
             elif isinstance(value, DTensor) and not isinstance(p, DTensor):
                 value = value.full_tensor()  # saved sharded, loaded into a plain parameter

@@ -60,6 +60,7 @@ from lightning_moe.parallel.checkpoint_integrity import (
     read_member,
     read_meta_digest,
 )
+from lightning_moe.parallel.checkpoint_legacy import adopt_legacy_fc1
 
 __all__ = [
     "RestrictedUnpickler",
@@ -320,11 +321,16 @@ def load_sharded(
     of ``process_group`` (or without a process group, on one device), at any layout: the
     templates in ``state_dict`` decide what each rank reads. ``metadata``: ``.metadata`` already
     read with :func:`read_dcp_metadata`. DCP's ``CheckpointException`` (a ``BaseException``) is
-    turned into the error of the rank that failed (same on every rank).
+    turned into the error of the rank that failed (same on every rank). A checkpoint of the older
+    gated-fc1 layout ``[E, 2F, H]`` is read into templates of that layout, which replace the
+    ``[E, 2, F, H]`` ones in ``state_dict``
+    (:func:`~lightning_moe.parallel.checkpoint_legacy.adopt_legacy_fc1`); ``load_state_dict``
+    accepts both.
     """
     path = Path(path)
     if metadata is None:
         metadata = read_dcp_metadata(path / DCP_METADATA)
+    adopt_legacy_fc1(state_dict, metadata)
     # The reader checks the storage paths (on every rank, inside DCP's collective steps).
     reader = SafeFileSystemReader(path, metadata=metadata)
     try:

@@ -6,11 +6,15 @@ rows and its block of the up rows; fc2: its column block). The parameters stay p
 tensors (fast kernels, any optimizer); the state dict still presents the public format of
 docs/architecture.md §6 with *global* shapes:
 
-* ``state_dict()`` wraps each expert tensor into a DTensor on the expert mesh, sharded over ``ep``
-  on the expert dimension (and over ``etp`` where the F block is contiguous; gated fc1 is gathered
-  over ETP so the gate-then-up order of the global tensor is kept), replicated over ``edp``/``pp``;
+* ``state_dict()`` wraps each expert tensor into a DTensor on the expert mesh whose local tensor
+  is a view of the rank's shard: sharded over ``ep`` on the expert dimension and over ``etp`` on
+  the F dimension (a gated fc1 in its checkpoint layout ``[E, 2, F, H]``, where a rank's gate
+  block and up block are one plain shard on dimension 2: :mod:`lightning_moe.layers.expert_state`),
+  over ``edp`` on H under sharded data parallelism, replicated otherwise. It never communicates
+  and never copies, so any rank may call it alone;
 * ``load_state_dict()`` accepts those DTensors (as filled by ``torch.distributed.checkpoint``), a
-  DTensor of any other sharding, or a plain global tensor, and keeps this rank's slice.
+  DTensor of any other sharding, or a plain global tensor, in the checkpoint layout or in the
+  older ``[E, 2F, H]`` of a gated fc1, and keeps this rank's slice.
 
 So a checkpoint written at one EP/ETP size loads at another, and a single-file state dict of the
 one-device model loads into a sharded one. Expert parameters are tagged (:func:`is_expert_param`)
@@ -27,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_moe.layers.activations import is_gated
+from lightning_moe.layers.expert_state import fc1_checkpoint_shape, fc1_checkpoint_view, fc1_from_checkpoint
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import RouterReduction
 from lightning_moe.parallel.context import ParallelContext
@@ -34,8 +39,8 @@ from lightning_moe.parallel.dispatchers import check_dispatcher, make_dispatcher
 from lightning_moe.parallel.layout_check import expert_layer_problems
 
 __all__ = [
-    "ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "expert_hidden_dim", "expert_shard",
-    "ffn_block_ranges", "is_expert_param", "record_fsdp_sharding",
+    "ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "contiguous_strides", "expert_hidden_dim",
+    "expert_shard", "ffn_block_ranges", "is_expert_param", "record_fsdp_sharding",
 ]
 
 _SHARD_ATTR = "_lightning_moe_expert_shard"
@@ -46,7 +51,7 @@ class ExpertShard:
     """Where a local expert tensor sits in its global tensor; attached to expert parameters."""
 
     global_shape: tuple[int, ...]
-    """Shape of the global tensor (all experts, full F)."""
+    """Shape of the global tensor as stored (all experts, full F): the one-device parameter's."""
     expert_offset: int
     """Global index of the first local expert (dimension 0)."""
     ffn_dim: int | None
@@ -60,6 +65,15 @@ class ExpertShard:
     fsdp_dim: int | None = None
     """Dimension that sharded data parallelism (FSDP2) splits over ``edp``: the hidden dimension H
     (see :func:`expert_hidden_dim`), or None when the local experts are replicated over EDP."""
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        """The global shape in the state dict: ``global_shape``, a gated fc1's as ``[E, 2, F, H]``."""
+        return fc1_checkpoint_shape(self.global_shape) if self.gated else self.global_shape
+
+    def checkpoint_dim(self, dim: int) -> int:
+        """The state-dict dimension of the stored tensor's dimension ``dim`` (a gated fc1 gains the gate/up axis 1)."""
+        return dim + 1 if self.gated and dim >= 1 else dim
 
 
 def is_expert_param(param: Tensor) -> bool:
@@ -114,52 +128,69 @@ def _local_slice(full: Tensor, shard: ExpertShard, num_local: int, experts_slice
     return torch.cat(pieces, dim=shard.ffn_dim) if len(pieces) > 1 else pieces[0]
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (computed, nothing allocated)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 class ExpertStateConverter:
     """Converts expert tensors (parameters, optimizer moments) between local and global form.
 
-    ``to_global`` gives the DTensor of the public state-dict format (module docstring);
-    ``to_local`` takes that DTensor, another DTensor, or a plain global tensor, and returns this
-    rank's block. Used by the module's state-dict hooks and by sharded optimizer checkpoints.
+    ``to_global`` gives the DTensor of the public state-dict format (module docstring), a view of
+    the local tensor; ``to_local`` takes that DTensor, another DTensor, or a plain global tensor,
+    and returns this rank's block. Used by the module's state-dict hooks and by sharded optimizer
+    checkpoints. Neither communicates, except ``to_local`` of a DTensor of a foreign layout
+    (another mesh or sharding), which is gathered whole first.
     """
 
     def __init__(self, ctx: ParallelContext) -> None:
         self.mesh = ctx.expert_mesh
         self.edp_mesh = ctx.expert_mesh["edp"]
-        self.etp_group = ctx.group("etp")
         self.etp_size = ctx.size("etp")
 
-    def _placements(self, shard: ExpertShard) -> tuple[list, bool]:
-        """DTensor placements over (pp, edp, ep, etp), and whether ETP blocks must be gathered."""
-        edp = Replicate() if shard.fsdp_dim is None else Shard(shard.fsdp_dim)
+    def placements(self, shard: ExpertShard) -> list:
+        """DTensor placements of the state-dict tensor over the expert mesh ``(pp, edp, ep, etp)``."""
+        edp = Replicate() if shard.fsdp_dim is None else Shard(shard.checkpoint_dim(shard.fsdp_dim))
         if shard.ffn_dim is None or self.etp_size == 1:
-            return [Replicate(), edp, Shard(0), Replicate()], False
-        if shard.gated:
-            return [Replicate(), edp, Shard(0), Replicate()], True
-        return [Replicate(), edp, Shard(0), Shard(shard.ffn_dim)], False
+            return [Replicate(), edp, Shard(0), Replicate()]
+        return [Replicate(), edp, Shard(0), Shard(shard.checkpoint_dim(shard.ffn_dim))]
 
-    def _gather_gated(self, local: Tensor, shard: ExpertShard) -> Tensor:
-        """All ETP blocks of a gated fc1, reassembled as ``[all gate rows ; all up rows]``."""
-        blocks = [torch.empty_like(local) for _ in range(self.etp_size)]
-        dist.all_gather(blocks, local.contiguous(), group=self.etp_group)
-        gates, ups = zip(*(b.chunk(2, dim=shard.ffn_dim) for b in blocks))
-        return torch.cat([*gates, *ups], dim=shard.ffn_dim)
+    def legacy_placements(self, shard: ExpertShard) -> list | None:
+        """Placements of an older checkpoint's gated fc1 ``[E, 2F, H]`` as
+        :mod:`~lightning_moe.parallel.checkpoint_legacy` reads it: this rank's experts with the whole
+        F (a rank's ETP block is not one range of that layout), its H block under sharded data
+        parallelism. None for the other tensors, whose layout did not change."""
+        if not shard.gated:
+            return None
+        edp = Replicate() if shard.fsdp_dim is None else Shard(shard.fsdp_dim)
+        return [Replicate(), edp, Shard(0), Replicate()]
 
     def to_global(self, local: Tensor, shard: ExpertShard) -> DTensor:
-        """The global-shape DTensor whose shard on this rank is ``local``.
+        """The global-shape DTensor whose shard on this rank is ``local`` (a view of it, no copy).
 
         ``local`` is the parameter's own value: a plain tensor, or under sharded data parallelism
-        the FSDP2 DTensor over ``edp`` (its local piece is used).
+        the FSDP2 DTensor over ``edp`` (its local piece is used); a gated fc1 stored as
+        ``[n, 2f, h]`` or already viewed as ``[n, 2, f, h]``.
         """
-        placements, gather = self._placements(shard)
         local = local.detach()
         if isinstance(local, DTensor):
             local = local.to_local()
-        if gather:
-            local = self._gather_gated(local, shard)
+        if shard.gated and local.dim() == 3:
+            local = fc1_checkpoint_view(local)
+        shape = shard.checkpoint_shape
         return DTensor.from_local(
-            local, self.mesh, placements, run_check=False, shape=torch.Size(shard.global_shape),
-            stride=torch.empty(shard.global_shape, device="meta").stride(),
+            local, self.mesh, self.placements(shard), run_check=False, shape=torch.Size(shape),
+            stride=contiguous_strides(shape),
         )
+
+    def accepts(self, value: Tensor, shard: ExpertShard) -> bool:
+        """Whether ``value`` has a global shape of ``shard``'s tensor: the state dict's, or the stored
+        one (which is also an older checkpoint's gated fc1 ``[E, 2F, H]``)."""
+        return tuple(value.shape) in (shard.checkpoint_shape, shard.global_shape)
 
     def to_local(self, value: Tensor, shard: ExpertShard, num_local: int, name: str = "tensor") -> Tensor:
         """This rank's block of ``value`` (a DTensor of any layout, or a plain global tensor).
@@ -168,19 +199,25 @@ class ExpertStateConverter:
         ``edp`` (what ``load_state_dict`` and the optimizer copy into it).
         """
         if isinstance(value, DTensor):
-            placements, gathered = self._placements(shard)
-            if value.device_mesh == self.mesh and list(value.placements) == placements:
+            shape, placements = tuple(value.shape), list(value.placements)
+            if value.device_mesh == self.mesh and shape == shard.checkpoint_shape and placements == self.placements(shard):
                 # Our own layout (e.g. filled in place by torch.distributed.checkpoint).
-                local = value.to_local()
-                if gathered:  # the local experts with the full F: cut this rank's ETP block
-                    local = _local_slice(local, shard, local.shape[0], experts_sliced=True)
+                local = fc1_from_checkpoint(value.to_local()) if shard.gated else value.to_local()
+                return self._as_fsdp_shard(local, shard, num_local, sliced=True)
+            legacy = self.legacy_placements(shard)
+            if value.device_mesh == self.mesh and shape == shard.global_shape and placements == legacy:
+                # An older checkpoint's gated fc1: the local experts with the full F, cut to this ETP block.
+                local = _local_slice(value.to_local(), shard, num_local, experts_sliced=True)
                 return self._as_fsdp_shard(local, shard, num_local, sliced=True)
             value = value.full_tensor()
-        if tuple(value.shape) != shard.global_shape:
+        if not self.accepts(value, shard):
+            older = f" or the older {shard.global_shape}" if shard.gated else ""
             raise ValueError(
-                f"{name}: expected the global shape {shard.global_shape} (all experts, full F), "
+                f"{name}: expected the global shape {shard.checkpoint_shape}{older} (all experts, full F), "
                 f"got {tuple(value.shape)}."
             )
+        if shard.gated:
+            value = fc1_from_checkpoint(value)
         return self._as_fsdp_shard(_local_slice(value, shard, num_local), shard, num_local, sliced=False)
 
     def _as_fsdp_shard(self, block: Tensor, shard: ExpertShard, num_local: int, sliced: bool) -> Tensor:
@@ -266,6 +303,7 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
     experts.num_experts, experts.expert_offset = nle, offset
     experts.ffn_hidden_size //= etp
     experts.ffn_shard = (ctx.rank_in("etp"), etp)
+    experts.sharded_state_dict = True  # these hooks present fc1 in either layout; the one-device ones stand aside
     hooks = _ExpertStateDictHooks(ExpertStateConverter(ctx))
     # Plain functions: torch tags public hooks with an attribute, which bound methods cannot take.
     experts.register_state_dict_post_hook(lambda *args: hooks.save(*args))

@@ -91,6 +91,7 @@ from lightning_moe.parallel.checkpoint_integrity import (
     record_files,
     verify_digests,
 )
+from lightning_moe.parallel.checkpoint_legacy import adopt_legacy_fc1
 from lightning_moe.parallel.checkpoint_security import load_torch_file, read_sharded_metadata
 from lightning_moe.parallel.consolidated import write_consolidated
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
@@ -384,6 +385,7 @@ class MoECheckpointing:
             init_optimizer_state(optimizer)
             templates[f"optimizer_{i}"] = optimizer_state_dict(model, optimizer, self._converter)
         whole_model = strict and self.strategy.parallel_context.dims.pp == 1  # under PP a rank holds its stages
+        adopt_legacy_fc1(templates, metadata)  # an older checkpoint's gated fc1 [E, 2F, H]: templates of that shape
         try:
             check_entries(metadata, expected_entries(templates), path, "state_dict." if whole_model else None)
             problem = None

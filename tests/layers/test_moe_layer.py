@@ -506,7 +506,7 @@ def test_expert_init_is_independent_of_the_expert_parallel_layout(activation):
             {
                 "router.weight": (NUM_EXPERTS, HIDDEN),
                 "router.expert_bias": (NUM_EXPERTS,),
-                "experts.fc1_weight": (NUM_EXPERTS, 2 * FFN, HIDDEN),
+                "experts.fc1_weight": (NUM_EXPERTS, 2, FFN, HIDDEN),  # gated: (gate, up)
                 "experts.fc2_weight": (NUM_EXPERTS, HIDDEN, FFN),
                 "experts.fc2_bias": (NUM_EXPERTS, HIDDEN),
                 "shared_expert.fc1.weight": (2 * SHARED_FFN, HIDDEN),
@@ -530,7 +530,7 @@ def test_expert_init_is_independent_of_the_expert_parallel_layout(activation):
             {},
             {
                 "router.weight": (NUM_EXPERTS, HIDDEN),
-                "experts.fc1_weight": (NUM_EXPERTS, 2 * FFN, HIDDEN),
+                "experts.fc1_weight": (NUM_EXPERTS, 2, FFN, HIDDEN),  # gated: (gate, up)
                 "experts.fc2_weight": (NUM_EXPERTS, HIDDEN, FFN),
             },
             id="minimal",

@@ -146,10 +146,11 @@ def layer_grads(layer: MoELayer) -> dict[str, Tensor]:
 def expert_block(
     full: Tensor, name: str, ep_rank: int, num_local: int, etp_rank: int, etp_size: int, gated: bool
 ) -> Tensor:
-    """The block of a global expert tensor that one (EP, ETP) rank holds (docs/architecture.md §6).
+    """The block of a global expert tensor, as the one-device layer stores it, that one (EP, ETP) rank holds.
 
     Local experts ``[ep_rank * num_local, (ep_rank + 1) * num_local)``; with ETP, of ``fc1_weight``
-    ``[E, 2F, H]`` (gated) the ``etp_rank``-th block of the F gate rows followed by the same block
+    stored as ``[E, 2F, H]`` (gated; the state dict's ``[E, 2, F, H]`` with dimensions 1 and 2
+    merged) the ``etp_rank``-th block of the F gate rows followed by the same block
     of the F up rows (``[E, F, H]`` ungated: the row block), of ``fc2_weight`` ``[E, H, F]`` the
     ``etp_rank``-th column block; ``fc2_bias`` is not split.
     """

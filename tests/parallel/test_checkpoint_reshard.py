@@ -117,7 +117,7 @@ def public_format(fc2_bias: bool) -> dict[str, tuple[int, ...]]:
     fmt = {}
     for i in (0, 1):
         fmt[f"layers.{i}.router.weight"] = (E, H)
-        fmt[f"layers.{i}.experts.fc1_weight"] = (E, 2 * F, H)
+        fmt[f"layers.{i}.experts.fc1_weight"] = (E, 2, F, H)  # gated: (gate, up)
         fmt[f"layers.{i}.experts.fc2_weight"] = (E, H, F)
     if fc2_bias:
         fmt["layers.0.experts.fc2_bias"] = (E, H)
@@ -154,8 +154,8 @@ def expected_local(full: torch.Tensor, key: str, ctx) -> torch.Tensor:
     nle, block = E // ctx.size("ep"), F // ctx.size("etp")
     experts = full[ctx.rank_in("ep") * nle : (ctx.rank_in("ep") + 1) * nle]
     f = slice(ctx.rank_in("etp") * block, (ctx.rank_in("etp") + 1) * block)
-    if key.endswith("fc1_weight"):
-        gate, up = experts[:, :F], experts[:, F:]
+    if key.endswith("fc1_weight"):  # [n, 2, F, H] -> stored [n, 2 * block, H]: gate block, then up block
+        gate, up = experts[:, 0], experts[:, 1]
         return torch.cat([gate[:, f], up[:, f]], dim=1)
     if key.endswith("fc2_weight"):
         return experts[:, :, f]

@@ -211,7 +211,7 @@ def _check_parity_case(rank: int, world: int, ctx, case: Case) -> list:
                 rows, name, f"{pname} grad (sum over EDP)", "grad", _sum_over(param.grad, edp_group), block
             )
             weights = expert_block(
-                ref.state_dict()[pname], short, ep_rank, num_local, etp_rank, etp_size, gated
+                ref.get_parameter(pname).detach(), short, ep_rank, num_local, etp_rank, etp_size, gated
             )
             _exact(rows, name, f"{pname} local block", bool(torch.equal(param.detach(), weights)), True)
         else:

@@ -53,7 +53,7 @@ def _fit(rank: int, world: int) -> dict:
 
 def test_a_callback_backward_does_not_disturb_training(tmp_path):
     ranks = run_distributed(_fit, DP, timeout_s=120, tmp_dir=tmp_path)
-    reference = reference_run(make_dataset(NUM_SAMPLES), STEPS).params
+    reference = reference_run(make_dataset(NUM_SAMPLES), STEPS).state
     for params in ranks:
         for name, want in reference.items():
             torch.testing.assert_close(params[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

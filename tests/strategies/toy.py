@@ -281,7 +281,9 @@ class ReferenceResult:
     norms: list[float] = field(default_factory=list)
     """Global gradient norm before clipping, per optimizer step."""
     params: dict[str, Tensor] = field(default_factory=dict)
-    """Parameters after the last step."""
+    """Parameters after the last step (as stored: a gated expert fc1 ``[E, 2F, H]``)."""
+    state: dict[str, Tensor] = field(default_factory=dict)
+    """``state_dict()`` after the last step: the public format (a gated expert fc1 ``[E, 2, F, H]``)."""
 
 
 def reference_run(
@@ -328,4 +330,5 @@ def reference_run(
         optimizer.step()
         optimizer.zero_grad()
     result.params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    result.state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     return result

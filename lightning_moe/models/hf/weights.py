@@ -4,8 +4,11 @@ Hugging Face's on-disk format (what ``save_pretrained`` writes) keeps one tensor
 ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (Mixtral:
 ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``); ``transformers`` 5 fuses them in memory into
 ``experts.gate_up_proj`` ``[E, 2F, H]`` (gate rows then up rows) and ``experts.down_proj``
-``[E, H, F]``, which is exactly our ``experts.fc1_weight`` / ``fc2_weight``. Reading accepts
-both (and Mixtral's in-memory ``mlp`` prefix); writing uses the per-expert keys. The router is
+``[E, H, F]``, which is exactly how our experts store ``fc1_weight`` / ``fc2_weight``; our state
+dict presents the gated fc1 as ``[E, 2, F, H]`` (:mod:`lightning_moe.layers.expert_state`), a view
+of the same numbers. Reading accepts both Hugging Face forms (and Mixtral's in-memory ``mlp``
+prefix) and returns the state-dict layout; writing uses the per-expert keys and takes our fc1 in
+either layout (an older ``[E, 2F, H]`` export included). The router is
 ``{mlp}.gate.weight`` -> ``router.weight``, DeepSeek's ``e_score_correction_bias`` -> ``router.expert_bias``; DeepSeek's shared experts
 ``shared_experts.{gate,up,down}_proj`` -> ``shared_expert.fc1`` (gate rows then up rows) and ``fc2``.
 Every tensor keeps its dtype; stacking and splitting copy values bit for bit.
@@ -20,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import Tensor
 
+from lightning_moe.layers.activations import is_gated
+from lightning_moe.layers.expert_state import fc1_checkpoint_view
 from lightning_moe.models.config import MoETransformerConfig
 
 __all__ = [
@@ -175,7 +180,8 @@ def hf_state_dict(
     family: str,
     expected: Iterable[str],
 ) -> dict[str, Tensor]:
-    """Our state dict (keys ``expected``) from a Hugging Face checkpoint read by ``get(name)``.
+    """Our state dict (keys ``expected``, a gated fc1 as ``[E, 2, F, H]``) from a Hugging Face
+    checkpoint read by ``get(name)``.
 
     ``available`` are the checkpoint's names: one that maps to nothing is an error naming it,
     except DeepSeek's multi-token-prediction layers (index ``>= num_layers``), skipped with a
@@ -184,6 +190,10 @@ def hf_state_dict(
     available = set(available)
     sources = hf_sources(available, config, family, expected)
     state = {key: read_source(source, get) for key, source in sources.items()}
+    if is_gated(config.moe.activation):
+        for key in state:
+            if key.endswith("ffn.experts.fc1_weight"):
+                state[key] = fc1_checkpoint_view(state[key])  # read as stored, [E, 2F, H]
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
     check_leftovers(available, sources, config, family)
@@ -227,7 +237,8 @@ def hf_pieces(key: str, value: Tensor, config: MoETransformerConfig, family: str
     tensors: dict[str, Tensor] = {}
     for e, expert in enumerate(value):
         if special.endswith("fc1_weight"):
-            gate_rows, up_rows = expert.chunk(2)
+            # [2, F, H] (the state dict's layout) or [2F, H] (an older one): gate, then up.
+            gate_rows, up_rows = expert.reshape(2, -1, expert.shape[-1]).unbind(0)
             tensors[f"{layer}.experts.{e}.{gate}.weight"] = gate_rows
             tensors[f"{layer}.experts.{e}.{up}.weight"] = up_rows
         else:
