@@ -218,6 +218,23 @@ class GroupedExperts(nn.Module):
         self.register_state_dict_post_hook(present_checkpoint_layout)
         self.register_load_state_dict_pre_hook(accept_checkpoint_layout)
 
+    def place_weight_grad(self, param: Tensor, memory: Tensor) -> bool:
+        """Have the expert kernel write ``param``'s gradient into ``memory`` from the next backward on.
+
+        ``param`` is ``fc1_weight`` or ``fc2_weight`` and ``memory`` a tensor of its local shape,
+        dtype and device (a gradient bucket's slot: :class:`~lightning_moe.layers.expert_kernels.ExpertGradWorkspace`
+        explains when it is used). Returns False, changing nothing, for any other tensor or without
+        a ``grad_workspace``.
+        """
+        if self.grad_workspace is None:
+            return False
+        for name in ("fc1", "fc2"):
+            weight = getattr(self, f"{name}_weight")
+            if weight is param and memory.shape == weight.shape and memory.dtype == weight.dtype:
+                self.grad_workspace.place(name, memory)
+                return True
+        return False
+
     def tag_parameter(self, name: str, attribute: str, value: object) -> None:
         """Attach ``attribute`` to parameter ``name`` and keep it attached across conversions.
 

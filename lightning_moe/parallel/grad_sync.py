@@ -25,7 +25,9 @@ view in place and ``zero_grad(set_to_none=False)`` zeroes it. After the all-redu
 written back. That one copy per parameter and step is the cheapest way into a flat buffer for a
 gradient autograd allocated: keeping the views through ``zero_grad`` instead would zero the
 buffer and add the new gradient to it (Megatron's grad buffer without its fused weight-gradient
-kernels), more memory traffic for the same result. Nothing else is allocated or copied per step
+kernels), more memory traffic for the same result. Expert weights skip that copy: their kernel
+writes the gradient straight into the slot (``GroupedExperts.place_weight_grad``, once the buckets
+exist), which is also the memory it reuses from step to step. Nothing else is allocated or copied per step
 (a replicated gradient of a sharded parameter is sliced, not redistributed, on its way in).
 
 Parameters narrower than fp32 (``bf16-true``, ``16-true``) are reduced in fp32 by default, as
@@ -225,6 +227,11 @@ class GradSync:
             id(p): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             for b in self.buckets for p in b.params if isinstance(p, DTensor)
         }
+        # Modules whose kernels can write a weight's gradient straight into its slot (GroupedExperts).
+        self._grad_writers = {
+            id(p): m for m in module.modules() if callable(getattr(m, "place_weight_grad", None))
+            for p in m.parameters(recurse=False)
+        }
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
             for b in self.buckets
@@ -284,6 +291,10 @@ class GradSync:
             bucket.buffer[offset : offset + _local(p).numel()].view(_local(p).shape)
             for p, offset in zip(bucket.params, bucket.offsets)
         ]
+        for p, slot in zip(bucket.params, bucket.slots):
+            writer = self._grad_writers.get(id(p))
+            if writer is not None and not isinstance(p, DTensor):
+                writer.place_weight_grad(p, slot)  # from the next step on: no copy, no second copy kept
 
     def _wrap(self, param: Tensor, slot: Tensor, placements: tuple | None) -> Tensor:
         """``slot`` as ``param``'s gradient: itself, or a DTensor with ``placements`` around it."""

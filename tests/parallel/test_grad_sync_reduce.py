@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_moe import MoEConfig
+from lightning_moe import GroupedExperts, MoEConfig
 from lightning_moe.models import MoETransformer, MoETransformerConfig
-from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
+from lightning_moe.parallel import ParallelDims, build_parallel_context, is_expert_param, parallelize
 from lightning_moe.parallel.grad_sync import GradSync
 
 pytestmark = pytest.mark.distributed
@@ -145,15 +145,25 @@ def _gradient_path(rank: int, world: int) -> list[tuple[int, list[str], int]]:
         model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
         with counter:
             finish()
-        steps.append((counter.copies, counter.allocations, sum(p.grad is not None for p in model.parameters())))
-    return steps[1:]  # the first step allocates the buckets
+        landed = sum(p.grad is not None and not is_expert_param(p) for p in model.parameters())
+        steps.append((counter.copies, counter.allocations, landed))
+    buffers = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.buffer.nbytes) for b in sync.buckets]
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    # Where each expert weight gradient and its kernel's reused gradient memory live: in a bucket, or elsewhere.
+    places = [(name, any(a <= t.data_ptr() < b for a, b in buffers))
+              for m in experts for name, t in [("grad", m.fc1_weight.grad), ("grad", m.fc2_weight.grad),
+                                               *m.grad_workspace._storage.items()]]
+    return steps[1:], places  # the first step allocates the buckets
 
 
 def test_the_gradient_path_lands_each_gradient_with_one_copy_and_allocates_nothing(tmp_path):
     """TP=2 (DTensor gradients: sharded, Partial norms, and the vocab-parallel embedding's gradient
     that arrives replicated) after zero_grad(set_to_none=True): each gradient is copied once into
     its slot, the only way into a flat buffer for a gradient that autograd allocated, and nothing
-    else is allocated: no temporary of a redistribution, no scaled copy."""
-    for rank, steps in enumerate(run_distributed(_gradient_path, 2, tmp_dir=tmp_path)):
-        for copies, allocations, with_grad in steps:
-            assert allocations == [] and copies == with_grad, (rank, copies, with_grad, allocations)
+    else is allocated: no temporary of a redistribution, no scaled copy. The expert kernel writes
+    the expert weight gradients straight into their slots (no copy), and the memory it reuses
+    across steps is those slots: no second copy of the expert gradients is kept."""
+    for rank, (steps, places) in enumerate(run_distributed(_gradient_path, 2, tmp_dir=tmp_path)):
+        for copies, allocations, landed in steps:
+            assert allocations == [] and copies == landed, (rank, copies, landed, allocations)
+        assert places and all(in_bucket for _, in_bucket in places), (rank, places)
