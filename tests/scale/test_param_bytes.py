@@ -27,12 +27,15 @@ LAYOUTS = [
     ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=4, etp=2)),
     ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1)),
     ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1)),
+    # Long sequences: context parallelism shards activations only; under FULL_SHARD dense
+    # parameters shard over DP x CP.
+    ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, cp=2, ep=32, etp=1)),
 ]
 
 
 def layout_id(name: str, dims: ParallelDims) -> str:
     """A short test id: preset and sizes."""
-    return f"{name}-w{dims.world_size}-tp{dims.tp}-ep{dims.ep}-etp{dims.etp}-pp{dims.pp}"
+    return f"{name}-w{dims.world_size}-tp{dims.tp}-cp{dims.cp}-ep{dims.ep}-etp{dims.etp}-pp{dims.pp}"
 
 
 IDS = [layout_id(name, dims) for name, dims in LAYOUTS]
@@ -70,10 +73,10 @@ def test_formula_is_the_whole_model_at_world_one():
 # Every sharded dimension of these divides evenly over DP / EDP. Not DeepSeek-V3 at DP=128: its
 # kv_down_proj has 576 rows, which FSDP2 splits unevenly (padded shards), so the even formula does
 # not apply there.
-FSDP_LAYOUTS = [LAYOUTS[0], LAYOUTS[2]]
+FSDP_LAYOUTS = [LAYOUTS[0], LAYOUTS[2], LAYOUTS[4]]
 
 
-@pytest.mark.parametrize(("name", "dims"), FSDP_LAYOUTS, ids=[IDS[0], IDS[2]])
+@pytest.mark.parametrize(("name", "dims"), FSDP_LAYOUTS, ids=[IDS[0], IDS[2], IDS[4]])
 def test_full_shard_local_parameters_and_training_state(name, dims):
     """Under FULL_SHARD a rank holds the formula's shard, and AdamW (run one step on meta, with
     gradients made here in the shards' shape) keeps two moments of each local shard: the parameter
