@@ -1,22 +1,13 @@
 """`MoEStrategy`: the Lightning strategy for folded MoE parallelism.
 
-``Trainer(strategy=MoEStrategy(expert_parallel_size=4))`` takes a LightningModule written for
-one device and:
-
-* builds the folded layout once in ``setup_environment`` (attention on TP x CP x DP x PP, experts
-  on ETP x EP x EDP x PP over the same ranks) and exposes it as ``strategy.parallel_context`` and
-  a dense ``strategy.device_mesh`` (Lightning's axis names) before ``configure_model`` runs;
-* after ``configure_model`` applies :func:`~lightning_moe.parallel.parallelize` (meta-device
-  models are materialised afterwards, each expert from its global index);
-* synchronises gradients in buckets overlapped with backward (:mod:`lightning_moe.parallel.grad_sync`),
-  deferring the reduction to the last micro-batch under gradient accumulation, and clips by one
-  global norm over dense and expert shards;
-* feeds each data-parallel replica its own samples (TP/CP ranks of a replica get the same);
-* checkpoints with ``torch.distributed.checkpoint`` in Lightning's sharded directory layout, with
-  global keys, so a checkpoint saved at one expert-parallel size resumes at another.
-
-Launch with Lightning's own subprocess launcher (``python train.py`` with ``devices=N``), with
-torchrun / SLURM, or from processes that initialised ``torch.distributed`` already.
+``Trainer(strategy=MoEStrategy(expert_parallel_size=4))`` takes a LightningModule written for one
+device, builds the folded layout in ``setup_environment`` (``strategy.parallel_context`` and a dense
+``strategy.device_mesh`` before ``configure_model``), applies :func:`~lightning_moe.parallel.parallelize`
+and materialises each rank's shards, synchronises gradients (buckets overlapped with backward, or
+FSDP2), feeds each data-parallel replica its own samples, and checkpoints with global keys that
+reshard across layouts (:class:`~lightning_moe.strategies.checkpoint_methods.CheckpointMethods`).
+Launch with ``devices=N`` (Lightning's subprocess launcher), torchrun / SLURM, or from processes
+that initialised ``torch.distributed`` already.
 """
 
 from __future__ import annotations
@@ -26,7 +17,6 @@ import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,12 +39,12 @@ from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
+from lightning_moe.strategies.checkpoint_methods import CheckpointMethods
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.collectives import WorldCollectives
 from lightning_moe.strategies.empty_init import meta_weights
 from lightning_moe.strategies.environment import ExistingProcessGroupEnvironment, connect
 from lightning_moe.strategies.launcher import MoESubprocessLauncher
-from lightning_moe.strategies.load_errors import describe_allocation_failure
 from lightning_moe.strategies.model_setup import materialize, prepare_model_once
 from lightning_moe.strategies.optimizer_step import patch_gradient_clipping
 from lightning_moe.strategies.options import check_strategy_options
@@ -70,7 +60,7 @@ _STARTUP_TIMEOUT = timedelta(minutes=30)
 _LIGHTNING_MESH_NAMES = ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
 
 
-class MoEStrategy(WorldCollectives, ParallelStrategy):
+class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
     """Folded expert / tensor / data parallelism for MoE LightningModules (registered as ``"moe"``).
 
     Args:
@@ -483,48 +473,6 @@ class MoEStrategy(WorldCollectives, ParallelStrategy):
 
     def _log_step_metric(self, name: str, value: float) -> None:
         self.lightning_module.log(name, value, on_step=True, on_epoch=False)
-
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Model state with global keys (expert tensors as global-shape DTensors)."""
-        return self.checkpointing.model_state_dict()
-
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """Optimizer state keyed by parameter name, expert moments as global DTensors."""
-        state = self.checkpointing.optimizer_state(optimizer)  # under PP: every stage's names (collective)
-        return state if self._pipeline is None else self._pipeline.merge_param_groups(state, self.parallel_context)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """Sharded directory (DCP shards + ``meta.pt``) written by every rank, or one file."""
-        if storage_options is not None:
-            raise TypeError("MoEStrategy.save_checkpoint does not take storage_options (it does not use CheckpointIO).")
-        self.checkpointing.save(checkpoint, Path(self.broadcast(str(filepath))))
-
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory (any layout) or a single file into the model and optimizers.
-
-        ``weights_only`` (Lightning's flag) governs the pickled metadata: None or True allows only
-        plain containers and tensors; False, for checkpoints you trust, allows any object.
-        """
-        path = Path(self.broadcast(str(checkpoint_path)))
-        try:
-            return self.checkpointing.load(path, weights_only=weights_only)
-        except (MemoryError, RuntimeError) as err:  # the allocator's message names no file
-            if (described := describe_allocation_failure(path, err)) is None:
-                raise
-            raise described from err
-
-    def remove_checkpoint(self, filepath) -> None:
-        """Delete a checkpoint and what interrupted saves of it left (rank 0)."""
-        if self.is_global_zero:
-            self.checkpointing.remove(Path(filepath))
-
-    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        """Nothing to do: :meth:`load_checkpoint` loaded the weights in place."""
-
-    def load_optimizer_state_dict(self, checkpoint) -> None:
-        """Nothing to do: :meth:`load_checkpoint` loaded the optimizer states in place."""
 
     def on_exception(self, exception: BaseException) -> None:
         """A run stopped by SIGTERM exits with 143 (128 + SIGTERM) instead of Lightning's 0."""
