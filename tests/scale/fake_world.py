@@ -62,12 +62,17 @@ class Sharded:
 
 
 def sharded_preset(
-    name: str, dims: ParallelDims, rank: int, sharding_strategy: str = "NO_SHARD"
+    name: str,
+    dims: ParallelDims,
+    rank: int,
+    sharding_strategy: str = "NO_SHARD",
+    config: MoETransformerConfig | None = None,
 ) -> Sharded:
     """Build preset ``name`` on meta and ``parallelize`` it as ``rank`` of ``dims``.
 
+    ``config``: the preset's config with changes (fewer layers), in place of the preset's own.
     Must run inside `fake_rank` (``parallelize`` creates DTensors on the context's meshes)."""
-    config = load_preset(name)
+    config = load_preset(name) if config is None else config
     with torch.device("meta"):
         model = MoETransformer(config)
     ctx = build_parallel_context(dims, "cpu")
