@@ -37,6 +37,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from scale.fake_save import measure_checkpoint_save
 from scale.fake_world import Sharded, fake_rank, sharded_preset
 from scale.step_probe import StepProbe, StepRecord
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -68,6 +69,10 @@ class FakeRun:
     sharded: Sharded
     steps: list[StepRecord]
     local_tokens: int
+    save: StepRecord | None = None
+    """Saving a sharded checkpoint after the steps (``save_checkpoint=True``), see `scale.fake_save`."""
+    save_written_bytes: int = 0
+    """Bytes that save would write."""
 
 
 def run_fake_steps(
@@ -79,13 +84,15 @@ def run_fake_steps(
     steps: int = 2,
     batch_size: int = 1,
     answers: Callable[[MoETransformerConfig, int], Mapping[str, Any]] | None = None,
+    save_checkpoint: bool = False,
     **overrides: Any,
 ) -> FakeRun:
     """Run ``steps`` optimizer steps of ``micro_batches`` micro-batches of preset ``name`` as ``rank``.
 
     ``overrides`` replace fields of the preset's config (e.g. ``num_layers=2``); routing is forced
     balanced (``moe.force_load_balancing``). ``answers(config, local_tokens)`` gives the host reads'
-    answers (default: `default_answers`).
+    answers (default: `default_answers`). ``save_checkpoint``: then save a sharded checkpoint
+    (`scale.fake_save.measure_checkpoint_save`), recorded apart in ``FakeRun.save``.
     """
     config = load_config(name, **overrides)
     local_tokens = batch_size * seq_len // dims.tp  # sequence parallel: each TP rank routes its slice
@@ -115,10 +122,11 @@ def run_fake_steps(
                               probe, saved)
                     records.append(probe.new_step())
                     saved.finish(records[-1])
+                save = measure_checkpoint_save(model, ctx, optimizer, probe) if save_checkpoint else (None, 0)
             for handle in saved.handles:
                 handle.remove()
         sync.remove_hooks()
-    return FakeRun(sharded, records, local_tokens)
+    return FakeRun(sharded, records, local_tokens, *save)
 
 
 def load_config(name: str, **overrides: Any) -> MoETransformerConfig:

@@ -14,7 +14,8 @@ A ``TorchDispatchMode`` above ``FakeTensorMode`` (`scale.fake_step` runs a train
   fake tensor has no value, so every read is answered from ``answers``, keyed by the product
   function that reads (``"alltoall.py:_counts"``); a read anywhere else raises, naming its site.
   Reads in ``torch.optim`` (Adam's step counter, a host tensor unless ``capturable``/``fused``)
-  are answered and counted apart: they are no device synchronisation;
+  and reads of real tensors (made outside ``FakeTensorMode``) are counted apart: they are no
+  device synchronisation;
 * bytes: the live bytes of every storage, from the tensors `StepProbe.adopt` is given to
   everything ops create, and their peak per phase. DTensor's shape propagation (it runs each new
   op once on global-shape fake tensors, which pass through this mode under an outer
@@ -111,13 +112,14 @@ class StepRecord:
     collectives: list[Collective] = field(default_factory=list)
     host_reads: list[HostRead] = field(default_factory=list)
     host_tensor_reads: int = 0
-    """Reads in ``torch.optim`` of host tensors (Adam's step counter): no device synchronisation."""
+    """Reads of host tensors: in ``torch.optim`` (Adam's step counters) and of real (not fake)
+    tensors. No device synchronisation."""
     start_bytes: int = 0
     """Live bytes when the step began."""
     peak_bytes: int = 0
     """Largest live bytes during the step."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
-    """Largest live bytes per phase: ``forward``, ``backward`` (micro-batches), ``optimizer``."""
+    """Largest live bytes per phase: ``forward``, ``backward`` (micro-batches), ``optimizer``, ``save``."""
     blocks_saved_bytes: int = 0
     """Live bytes gained from the embedding's output to the final norm's input in the first
     micro-batch's forward: what the transformer blocks keep for backward."""
@@ -171,7 +173,8 @@ class StepProbe(TorchDispatchMode):
         self._storages: set[int] = set()
         self._propagating = False
         self.phase = "micro-batch"
-        """Set by the step driver: ``micro-batch`` (forward or backward, from the tracker) or ``optimizer``."""
+        """Set by the step driver: ``micro-batch`` (forward or backward, from the tracker), ``optimizer``
+        or ``save``."""
 
     # -- bytes ----------------------------------------------------------------------------------
 
@@ -183,6 +186,8 @@ class StepProbe(TorchDispatchMode):
     def _track(self, tensor: torch.Tensor) -> None:
         if isinstance(tensor, DTensor):
             tensor = tensor._local_tensor
+        if tensor.device.type == "meta":
+            return  # e.g. torch.empty(shape, device="meta") for a stride: no memory in a real run
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._storages:
@@ -231,6 +236,9 @@ class StepProbe(TorchDispatchMode):
         if DTensor in types:
             return NotImplemented  # let DTensor desugar into local ops and collectives, then see those
         if func is torch.ops.aten._local_scalar_dense.default:
+            if not isinstance(args[0], FakeTensor):  # a real tensor: made outside FakeTensorMode, on the host
+                self.record.host_tensor_reads += 1
+                return func(*args, **kwargs)
             return self._answer(sys._getframe(1))
         name = str(func.overloadpacket)
         if name in _KIND_OF:
