@@ -139,6 +139,32 @@ def test_pipeline_bubble_smoke():
     assert float(cells[1]) > 0 and float(cells[2]) > 0, cells
 
 
+def test_scale_memory_smoke(tmp_path):
+    """The first layout (Mixtral 8x7B, world 64, TP=8, EP=8): its parameters are the formula's, the
+    state columns follow from them (fp32 gradients, two fp32 moments), the first step peaks above
+    the state it holds, and the checkpoint save allocates nothing beyond the shards at ETP=1."""
+    from models.test_presets import load_preset
+    from scale.formula import local_parameters
+
+    from lightning_moe.parallel import ParallelDims
+
+    output = tmp_path / "scale.md"
+    out = _run("scale_memory.py", "--quick", "--output", str(output), timeout=280)  # under pytest-timeout's 300 s
+    (row,) = [line for line in out.splitlines() if line.startswith("| mixtral_8x7b")]
+    cells = [c.strip() for c in row.split("<!--")[0].strip().strip("|").split("|")]
+    name, layout, local, params, grads, optimizer, setup, setup_ratio, step, transient, save, megatron, ours = cells
+    elements = local_parameters(load_preset("mixtral_8x7b"), ParallelDims(world_size=64, tp=8, ep=8, etp=1))
+    assert (name, layout) == ("mixtral_8x7b", "W64 TP8 EP8")
+    assert local == f"{elements / 1e9:.3f}B"
+    # fp32 parameters and gradients, two fp32 moments, 16 bytes in all per element.
+    assert [params, grads, optimizer, ours] == [f"{n * elements / 2**30:.2f}" for n in (4, 4, 8, 16)]
+    assert float(setup_ratio) >= 1.0 and float(setup) >= float(params)
+    assert float(step) >= float(ours) and float(transient) > 0
+    assert save == "0.00"
+    assert float(megatron) > 0
+    assert output.read_text().splitlines()[-1] == row.split(" <!--")[0]
+
+
 def _load_benchmark(name: str):
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
