@@ -244,7 +244,7 @@ class StepProbe(TorchDispatchMode):
         if name in _KIND_OF:
             self._record_collective(_KIND_OF[name], func, args, kwargs)
         elif name.startswith(("c10d.", "_c10d_functional.")) and name not in _IGNORED:
-            raise AssertionError(f"collective {name} is not classified in scale.fake_step._KINDS")
+            raise AssertionError(f"collective {name} is not classified in scale.step_probe._KINDS")
         out = func(*args, **kwargs)
         if not self._propagating:
             for tensor in tree_flatten(out)[0]:

@@ -4,7 +4,7 @@ Each layout runs two optimizer steps of two micro-batches (``scale.fake_step.run
 what ``MoEStrategy`` runs under automatic optimization, bf16-mixed, AdamW, forced-balanced routing,
 NO_SHARD data parallelism) as rank 37 of its world, with one batch of 4096 tokens per micro-batch.
 The presets are cut to two layers (``num_layers=2``; DeepSeek-V3 keeps one dense layer before
-its MoE layer, ``first_dense_layers=1``) so a layout runs in about two seconds: the per-layer
+its MoE layer, ``first_dense_layers=1``) so a layout runs in about two CPU seconds: the per-layer
 counts and bounds below are per block, so two blocks check the same as sixty.
 
 Expected numbers come from the layout and the config, as the features document them (reasoning
