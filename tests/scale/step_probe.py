@@ -94,6 +94,8 @@ class Collective:
     """The product file that issued it (innermost ``lightning_moe`` frame), ``""`` from autograd or torch alone."""
     shape: tuple[int, ...]
     """Shape of its first tensor argument (the output buffer of the in-place ops)."""
+    op: str = ""
+    """The reduction of ``all_reduce`` and ``reduce_scatter``: ``sum``, ``max``, ``avg``, ...; ``""`` for the others."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,22 @@ def _fake_data_ptr(tensor: torch.Tensor) -> int:
     # bucket by its address) would take every bucket's first gradient for adopted: give each
     # storage a distinct address (its StorageImpl's), offsets included.
     return tensor.untyped_storage()._cdata + tensor.storage_offset() * tensor.element_size()
+
+
+_REDUCE_OPS = {int(getattr(dist.ReduceOp.RedOpType, name)): name.lower() for name in dist.ReduceOp.RedOpType.__members__}
+
+
+def _reduce_op(kind: str, flat: list[Any]) -> str:
+    """The reduction of a collective's arguments: a c10d ``ReduceOp`` object (whose ``op()`` is its
+    ``RedOpType`` value) or a functional collective's name (``"sum"``, ``"max"``)."""
+    if kind not in ("all_reduce", "reduce_scatter"):
+        return ""
+    for arg in flat:
+        if isinstance(arg, torch.ScriptObject) and "ReduceOp" in str(arg._type()):
+            return _REDUCE_OPS[arg.op()]
+        if isinstance(arg, str) and arg.lower() in _REDUCE_OPS.values():
+            return arg.lower()
+    raise AssertionError(f"no reduction found among the arguments of a {kind}")
 
 
 def _nested(shape: tuple[int, ...], value: Any) -> Any:
@@ -263,7 +281,7 @@ class StepProbe(TorchDispatchMode):
         first = next(a for a in flat if isinstance(a, torch.Tensor))
         self.record.collectives.append(Collective(
             kind, tuple(dist.get_process_group_ranks(group)), self.tracker.is_bw, self._module(),
-            _site(sys._getframe(2))[0].split(":")[0], tuple(first.shape),
+            _site(sys._getframe(2))[0].split(":")[0], tuple(first.shape), _reduce_op(kind, flat),
         ))
 
     def _module(self) -> str | None:

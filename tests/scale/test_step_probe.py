@@ -1,4 +1,4 @@
-"""The step probe itself: it sees collectives with their groups, one read per ``.tolist()``,
+"""The step probe itself: it sees collectives with their groups and reductions, one read per ``.tolist()``,
 refuses reads it has no answer for, and follows live bytes (the oracle of test_fake_step.py)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_probe_records_collectives_reads_and_bytes():
         with FakeTensorMode(), tracker, probe, probe.patched():
             x = torch.zeros(256, dtype=torch.float32)  # 1 KiB
             assert probe.live == 1024
-            dist.all_reduce(x, group=group)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
             funcol.all_reduce(x, "sum", group)  # the functional op DTensor uses
             # The product reads the [E] counts with one .tolist(): one read, answered element-wise.
             assert local_expert_counts(torch.zeros(6, 4, dtype=torch.bool), config) == [3, 3, 3, 3]
@@ -34,6 +34,8 @@ def test_probe_records_collectives_reads_and_bytes():
             del x
             assert probe.live < 1024
     record = probe.record
-    assert [(c.kind, c.ranks, c.backward) for c in record.collectives] == [("all_reduce", (4, 5, 6, 7), False)] * 2
+    assert [(c.kind, c.ranks, c.backward, c.op) for c in record.collectives] == [
+        ("all_reduce", (4, 5, 6, 7), False, "max"), ("all_reduce", (4, 5, 6, 7), False, "sum"),
+    ]
     assert [read.site for read in record.host_reads] == ["dispatch.py:local_expert_counts"]
     assert record.peak_bytes >= 1024
