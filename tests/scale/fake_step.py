@@ -18,6 +18,9 @@ that save their activation, and flash attention's memory. Where this differs fro
   ``foreach``, which refuses a parameter list mixing DTensors (tensor-parallel weights) with plain
   tensors (experts, routers) at TP > 1: ``aten._foreach_mul_.Scalar got mixed torch.Tensor and
   DTensor``;
+
+* GradSync is built outside ``FakeTensorMode``: it computes each DTensor's block offsets once with
+  torch's helper, whose host tensors a fake mode would make valueless;
 * a fake tensor's ``data_ptr()`` is 0, which GradSync's check for a gradient already in its bucket
   relies on: the probe gives fake tensors distinct addresses (``step_probe._fake_data_ptr``);
 * CPU autocast leaves attention and some reductions in fp32 where CUDA autocast runs bf16, and the
@@ -40,7 +43,7 @@ import torch
 from scale.fake_save import measure_checkpoint_save
 from scale.fake_world import Sharded, fake_rank, sharded_preset
 from scale.step_probe import StepProbe, StepRecord
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from lightning_moe.layers import expert_kernels
@@ -105,7 +108,10 @@ def run_fake_steps(
         with FakeTensorMode(allow_non_fake_inputs=True):
             materialize(model, torch.device("cpu"))
             # One bucket per reduce group: one all-reduce each, whatever the bucket cap would cut.
-            sync = GradSync(model, ctx, bucket_size_mb=2.0**40, explicit_backward=True)
+            # Built outside the fake mode: it computes each DTensor's block offsets once, with
+            # host tensors (torch's helper) that a fake mode would make valueless.
+            with unset_fake_temporarily():
+                sync = GradSync(model, ctx, bucket_size_mb=2.0**40, explicit_backward=True)
             safeguards = StepSafeguards()
             safeguards.setup(model, ctx, torch.device("cpu"), None, False)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)

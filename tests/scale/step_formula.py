@@ -34,8 +34,10 @@ __all__ = [
     "block_activation_bytes",
     "block_parameters",
     "head_activation_bytes",
+    "head_parameters",
     "largest_local_tensor",
     "local_experts_parameters",
+    "logits_bytes",
     "tp_replicated_parameters",
 ]
 
@@ -98,11 +100,28 @@ def local_experts_parameters(config: MoETransformerConfig, dims: ParallelDims) -
 
 
 def head_activation_bytes(config: MoETransformerConfig, dims: ParallelDims, local_tokens: int) -> int:
-    """Bytes the final norm, the head and the loss keep with vocabulary-parallel logits (Megatron):
-    the norm's input and output, the gathered head input, and the ``[Tg, V/TP]`` logits three times
-    (the head's output, the loss's fp32 copy, its softmax), at 4 bytes."""
+    """Bytes the final norm, the head and the loss keep for backward with vocabulary-parallel logits
+    (``parallel/vocab_parallel_loss.py``, Megatron's cross-entropy): the norm's input and output, the
+    head's input gathered over the sequence (``Tg x H``), and one fp32 ``[Tg, V/TP]`` buffer, the
+    softmax that the loss writes over its shifted fp32 copy of the logits and keeps for backward
+    (which turns it into the gradient in place). The head's own logits are not kept (a linear
+    layer keeps its input), so the ``[Tg, V/TP]`` term appears once; a loss over gathered logits
+    would keep ``Tg x V``, TP times more. At 4 bytes as everything here (the softmax really is fp32).
+    The bf16 copy of the head's weight that autocast computes with is `head_parameters`."""
     hidden, gathered = config.hidden_size, local_tokens * dims.tp
-    return FP32 * (2 * local_tokens * hidden + gathered * hidden + 3 * gathered * (config.vocab_size // dims.tp))
+    return FP32 * (2 * local_tokens * hidden + gathered * hidden + gathered * (config.vocab_size // dims.tp))
+
+
+def logits_bytes(config: MoETransformerConfig, dims: ParallelDims, local_tokens: int) -> int:
+    """One ``[Tg, V/TP]`` tensor of this rank's vocabulary slice, at 4 bytes: what the loss holds
+    for a moment beside its kept softmax (the head's bf16 logits in forward, their bf16 gradient
+    in backward)."""
+    return FP32 * local_tokens * dims.tp * (config.vocab_size // dims.tp)
+
+
+def head_parameters(config: MoETransformerConfig, dims: ParallelDims) -> int:
+    """Parameter elements this rank holds of the output head: its ``V/TP x H`` vocabulary slice."""
+    return config.vocab_size // dims.tp * config.hidden_size
 
 
 def largest_local_tensor(config: MoETransformerConfig, dims: ParallelDims) -> int:

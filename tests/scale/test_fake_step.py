@@ -28,8 +28,10 @@ from scale.step_formula import (
     block_activation_bytes,
     block_parameters,
     head_activation_bytes,
+    head_parameters,
     largest_local_tensor,
     local_experts_parameters,
+    logits_bytes,
     tp_replicated_parameters,
 )
 
@@ -52,8 +54,6 @@ SMALL_STATE_BYTES = 64 * 2**10
 """Allowance over the formula for what a rank keeps between steps besides its shards: scalars
 (Adam's step counters, the aux-loss scale, the gradient norm) and GradSync's presence flag per
 parameter, a few bytes each."""
-DEFECT_2 = "issue defect 2: state_dict() all-gathers the experts' fc1 (and their Adam moments) at ETP > 1"
-DEFECT_7 = "issue defect 7: the head all-gathers full-vocabulary logits over TP (no vocab-parallel cross-entropy)"
 
 
 @functools.cache
@@ -65,6 +65,13 @@ def fake_run(index: int) -> FakeRun:
 
 def _group(dims: ParallelDims, name: str) -> tuple[int, ...]:
     return tuple(dims.group_of(name, RANK))
+
+
+def _communicating(dims: ParallelDims, *names: str) -> list[tuple[int, ...]]:
+    """The groups of ``names`` that have more than one rank, in order: GradSync and the gradient
+    norm issue no collective over a size-1 group (it would be the identity; the context gives such a
+    name a communication-free stand-in, no communicator)."""
+    return [_group(dims, name) for name in names if len(_group(dims, name)) > 1]
 
 
 def _moe_layers(run: FakeRun) -> list[int]:
@@ -118,18 +125,51 @@ def _per_step(counter: Counter) -> Counter:
 
 
 STEP_SITES = ("batch_agreement.py", "grad_sync.py", "grad_norm.py")
+LOSS_SITE = "vocab_parallel_loss.py"
+
+
+def expected_loss_collectives(dims: ParallelDims) -> Counter:
+    """Collectives of one micro-batch's loss, by (kind, op, group members, backward).
+
+    Vocabulary-parallel cross-entropy (``parallel/vocab_parallel_loss.py``, Megatron's): under TP
+    each rank holds ``V / TP`` columns of the logits, and the loss needs per token the largest
+    logit (one all-reduce ``MAX`` over TP) and, stacked in one tensor, the target's shifted logit
+    and the sum of exponentials (one all-reduce ``SUM`` over TP). Backward is local (softmax minus
+    one-hot on this rank's columns). At TP=1 the head is not sharded and the loss is the plain one."""
+    if dims.tp == 1:
+        return Counter()
+    tp = _group(dims, "tp")
+    return Counter({("all_reduce", "max", tp, False): 1, ("all_reduce", "sum", tp, False): 1})
+
+
+def expected_edge_collectives(dims: ParallelDims) -> Counter:
+    """Collectives of one micro-batch outside the blocks and the loss, by (kind, group, backward).
+
+    From the tensor-parallel plan (``parallel/tensor_parallel.py``), at TP > 1: the embedding is
+    row-parallel over the vocabulary with a sequence-sharded output (a reduce-scatter over TP; its
+    adjoint an all-gather), the head column-parallel with a sequence-sharded input (an all-gather of
+    the hidden states over TP; its adjoint a reduce-scatter) and its output left sharded over the
+    vocabulary (no gather of the logits)."""
+    if dims.tp == 1:
+        return Counter()
+    tp = _group(dims, "tp")
+    return Counter({
+        ("reduce_scatter", tp, False): 1, ("all_gather", tp, True): 1,  # the embedding
+        ("all_gather", tp, False): 1, ("reduce_scatter", tp, True): 1,  # the head's input
+    })
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=IDS)
 def test_collectives_per_step_match_the_layout(index):
     """Every collective of a steady-state step (the second) is one the layout implies, over the
-    group it implies, as many times as it implies (``expected_block_collectives``), plus once per
-    micro-batch the TP batch check's fingerprint all-gather, once per step the gradient
-    all-reduce of each reduce group (one bucket each here) and the global gradient norm's
-    all-reduces (``parallel/grad_norm.py``: over TP for the TP-sharded gradients, over ETP x EP for
-    the experts'). Outside the blocks: the embedding's reduce-scatter to the sequence-sharded
-    layout and its adjoint, and the head's input gather's adjoint, all over TP (the head's forward
-    is checked in ``test_head_keeps_the_logits_vocabulary_sharded``)."""
+    group it implies, as many times as it implies: per micro-batch those of each block
+    (``expected_block_collectives``), of the loss (``expected_loss_collectives``), of the embedding
+    and the head (``expected_edge_collectives``) and the TP batch check's fingerprint all-gather;
+    per step the gradient all-reduce of each reduce group with more than one rank (one bucket each
+    here: ``parallel/grad_sync.py``, experts over EDP, TP-sharded weights over DP x CP, the
+    others over TP x DP x CP, a world-spanning one being the default group) and the global
+    gradient norm's all-reduces (``parallel/grad_norm.py``: over TP for the TP-sharded gradients,
+    over ETP x EP for the experts'). Nothing else, in particular nothing over a one-rank group."""
     run = fake_run(index)
     step, dims = run.steps[1], run.sharded.dims
     tp = _group(dims, "tp")
@@ -138,19 +178,18 @@ def test_collectives_per_step_match_the_layout(index):
             got = step.count(module=f"layers.{i}", backward=backward)
             got -= step.count(module=f"layers.{i}", backward=backward, site="grad_sync.py")
             assert got == _per_step(expected_block_collectives(run, i, backward)), (i, backward)
-    assert step.count(site="batch_agreement.py") == Counter({("all_gather", tp): MICRO_BATCHES})
-    assert step.count(site="grad_norm.py") == Counter([("all_reduce", tp), ("all_reduce", _group(dims, "etp_ep"))])
-    reduced = Counter((c.ranks,) for c in step.collectives if c.site == "grad_sync.py" and c.kind == "all_reduce")
-    groups = ("edp", "dp_cp", "tp_dp_cp")
-    assert reduced == Counter((_group(dims, g),) for g in groups)
+    loss = Counter((c.kind, c.op, c.ranks, c.backward) for c in step.collectives if c.site == LOSS_SITE)
+    assert loss == _per_step(expected_loss_collectives(dims))
+    assert step.count(site="batch_agreement.py") == (Counter({("all_gather", tp): MICRO_BATCHES}) if dims.tp > 1
+                                                     else Counter())
+    assert step.count(site="grad_norm.py") == Counter(("all_reduce", g) for g in _communicating(dims, "tp", "etp_ep"))
+    reduced = Counter(c.ranks for c in step.collectives if c.site == "grad_sync.py" and c.kind == "all_reduce")
+    assert reduced == Counter(_communicating(dims, "edp", "dp_cp", "tp_dp_cp"))
     assert not [c for c in step.collectives if c.site == "grad_sync.py" and c.kind != "all_reduce"]
-    outside = [c for c in step.collectives if not (c.module or "").startswith("layers.") and c.site not in STEP_SITES]
-    assert {c.ranks for c in outside} == {tp}
-    kinds = Counter((c.kind, c.backward) for c in outside)
-    assert (kinds["reduce_scatter", False], kinds["all_gather", True], kinds["reduce_scatter", True]) == (
-        MICRO_BATCHES, MICRO_BATCHES, MICRO_BATCHES
-    )
-    assert {kind for kind, _ in kinds} <= {"all_gather", "reduce_scatter", "all_reduce"}
+    sites = (*STEP_SITES, LOSS_SITE)
+    outside = [c for c in step.collectives if not (c.module or "").startswith("layers.") and c.site not in sites]
+    assert Counter((c.kind, c.ranks, c.backward) for c in outside) == _per_step(expected_edge_collectives(dims))
+    assert all(len(c.ranks) > 1 for c in step.collectives), [c for c in step.collectives if len(c.ranks) == 1]
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=IDS)
@@ -236,27 +275,30 @@ def test_blocks_keep_at_most_their_activations(index):
         assert step.blocks_saved_bytes <= _blocks_bound(run)
 
 
+def _head_bound(run: FakeRun) -> int:
+    """What the final norm, the head and the loss keep (`head_activation_bytes`), plus the bf16 copy
+    of the head's weight that autocast computes with and keeps for the input's gradient."""
+    config, dims = run.sharded.config, run.sharded.dims
+    return head_activation_bytes(config, dims, run.local_tokens) + BF16 * head_parameters(config, dims)
+
+
 def _forward_backward_bound(run: FakeRun) -> int:
     config, dims = run.sharded.config, run.sharded.dims
     layer = max(block_activation_bytes(config, dims, i, run.local_tokens) for i in range(config.num_layers))
-    return (_state_bytes(run) + _blocks_bound(run) + head_activation_bytes(config, dims, run.local_tokens)
+    return (_state_bytes(run) + _blocks_bound(run) + _head_bound(run) + logits_bytes(config, dims, run.local_tokens)
             + layer + FP32 * largest_local_tensor(config, dims))
 
 
-def _layout(index: int, defect: str | None = None):
-    marks = [pytest.mark.xfail(strict=True, reason=defect)] if defect else []
-    return pytest.param(index, id=IDS[index], marks=marks)
-
-
-# Mixtral's 32000-entry vocabulary fits the bound's slack even gathered; Qwen3's and DeepSeek-V3's
-# (152k, 129k) do not.
-@pytest.mark.parametrize("index", [_layout(0), _layout(1), _layout(2, DEFECT_7), _layout(3, DEFECT_7)])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=IDS)
 def test_forward_backward_peak_within_bound(index):
     """The largest live bytes of a micro-batch's forward and backward are at most: the state
-    between steps, the blocks' bound, the final norm, head and loss with vocabulary-parallel
-    logits (``head_activation_bytes``), the gradients of one block's activations in flight (one
-    block's bound) and one fp32 weight gradient before it lands in its bucket (the largest local
-    parameter). The first step's peak (no moments yet) is below the second's."""
+    between steps, the blocks' bound, what the final norm, head and loss keep (`_head_bound`), the
+    logits or their gradient beside the loss's kept softmax (``logits_bytes``: one ``[Tg, V/TP]``),
+    the gradients of one block's activations in flight (one block's bound) and one fp32 weight
+    gradient before it lands in its bucket (the largest local parameter; on this path, the GPU's
+    ``grouped_mm`` experts, autograd allocates every weight gradient and GradSync copies it into its
+    slot: only the loop kernel writes expert gradients straight into the slots). The first step's
+    peak (no moments yet) is below the second's."""
     run = fake_run(index)
     for step in run.steps:
         peak = max(step.phase_peaks["forward"], step.phase_peaks["backward"])
@@ -268,36 +310,44 @@ def test_forward_backward_peak_within_bound(index):
 def test_optimizer_step_transient(index):
     """The gradient guard and AdamW's update (single-tensor: torch's choice off CUDA) add at most
     three fp32 tensors of the largest parameter's size to the state: AdamW's ``sqrt`` and its
-    division are two temporaries of one parameter at a time, the guard's squared gradient one. The
-    first step also allocates the moments (part of the state)."""
+    division are two temporaries of one parameter at a time, the guard's squared gradient one.
+    Gradients are reduced in fp32 with no staging copy (bf16-mixed keeps fp32 parameters, so the
+    buckets are fp32 already). The first step also allocates the moments (part of the state)."""
     run = fake_run(index)
     config, dims = run.sharded.config, run.sharded.dims
     for step in run.steps:
         assert step.phase_peaks["optimizer"] <= _state_bytes(run) + 3 * FP32 * largest_local_tensor(config, dims)
 
 
-@pytest.mark.xfail(strict=True, reason=DEFECT_7)
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=IDS)
 def test_head_keeps_the_logits_vocabulary_sharded(index):
-    """The head's forward gathers its input's sequence (one all-gather over TP) and nothing else:
-    the logits stay sharded over the vocabulary, and the final norm, head and loss keep at most
-    ``head_activation_bytes`` (Megatron's vocab-parallel cross-entropy)."""
+    """The head's forward gathers its input's sequence (one all-gather over TP of ``H``-wide hidden
+    states, no vocabulary-wide tensor) and the loss reduces one or two numbers per token
+    (``expected_loss_collectives``): the logits stay sharded over the vocabulary, and the final
+    norm, head and loss keep at most `_head_bound` (Megatron's vocab-parallel cross-entropy)."""
     run = fake_run(index)
-    step = run.steps[1]
-    head = [c for c in step.collectives if not c.backward and c.kind == "all_gather"
-            and not (c.module or "").startswith("layers.") and c.site not in STEP_SITES]
-    assert len(head) == MICRO_BATCHES
-    assert step.head_saved_bytes <= head_activation_bytes(run.sharded.config, run.sharded.dims, run.local_tokens)
+    config, step = run.sharded.config, run.steps[1]
+    sites = (*STEP_SITES, LOSS_SITE)
+    gathers = [c for c in step.collectives if not c.backward and c.kind == "all_gather"
+               and not (c.module or "").startswith("layers.") and c.site not in sites]
+    assert len(gathers) == MICRO_BATCHES
+    assert all(c.shape[-1] == config.hidden_size for c in gathers), [c.shape for c in gathers]
+    tokens = run.local_tokens * run.sharded.dims.tp
+    assert all(c.shape in ((tokens,), (2, tokens)) for c in step.collectives if c.site == LOSS_SITE)
+    assert step.head_saved_bytes <= _head_bound(run)
 
 
-@pytest.mark.parametrize("index", [_layout(0), _layout(1, DEFECT_2), _layout(2), _layout(3)])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=IDS)
 def test_checkpoint_save_gathers_nothing(index):
     """Saving a sharded checkpoint after the steps (``scale/fake_save.py``: the model's and the
     optimizer's state dicts and DCP's save) is no collective (``state_dict()`` never gathers:
-    docs/architecture.md's contract), allocates at most one local tensor's bytes beyond what the
-    rank holds, and hands DCP exactly this rank's shards: fp32 parameters and Adam's two moments
-    (12 bytes per local parameter), plus scalars and small buffers (Adam's step counters, expert
-    biases) within `SMALL_STATE_BYTES`."""
+    DESIGN's contract; at ETP > 1 the gated fc1's ``[E, 2, F, H]`` layout makes a rank's gate and up
+    blocks one plain shard, so its entry and its moments are views), allocates at most one local
+    tensor's bytes beyond what the rank holds (the state dicts allocate nothing; DCP's planner
+    makes small host index tensors, one int64 per row of a shard's dimension, from torch's DTensor
+    offset helper), and hands DCP exactly this rank's shards: fp32 parameters and Adam's two
+    moments (12 bytes per local parameter), plus scalars and small buffers (Adam's step counters,
+    expert biases) within `SMALL_STATE_BYTES`."""
     run = fake_run(index)
     config, dims = run.sharded.config, run.sharded.dims
     assert not run.save.collectives
