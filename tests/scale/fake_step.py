@@ -8,16 +8,12 @@ tensor-parallel batch check (:class:`~lightning_moe.strategies.step_safeguards.S
 forward and loss under autocast, the aux-loss gradient scale, backward with the bucketed gradient
 reduction armed (:class:`~lightning_moe.parallel.grad_sync.GradSync`, reduced after the last
 micro-batch); then the batch verification, the finite-gradient guard (global gradient norm),
-``AdamW.step`` and ``zero_grad()``. NO_SHARD data parallelism, the ``alltoall`` dispatcher,
-dropless, forced-balanced routing.
+``AdamW.step`` under :func:`~lightning_moe.parallel.allow_mixed_tensors` and ``zero_grad()``.
+NO_SHARD data parallelism, the ``alltoall`` dispatcher, dropless, forced-balanced routing.
 
 The model takes the path it takes on an H100/H200 (`_take_the_gpu_path`): ``grouped_mm`` experts
-that save their activation, and flash attention's memory. Where this differs from a GPU run:
-
-* ``AdamW`` runs single-tensor (``foreach=False``, torch's choice off CUDA). On CUDA torch picks
-  ``foreach``, which refuses a parameter list mixing DTensors (tensor-parallel weights) with plain
-  tensors (experts, routers) at TP > 1: ``aten._foreach_mul_.Scalar got mixed torch.Tensor and
-  DTensor``;
+that save their activation, and flash attention's memory; ``AdamW`` runs ``foreach``, torch's
+choice on CUDA (off CUDA it would pick the per-tensor loop). Where this differs from a GPU run:
 
 * GradSync is built outside ``FakeTensorMode``: it computes each DTensor's block offsets once with
   torch's helper, whose host tensors a fake mode would make valueless;
@@ -49,7 +45,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from lightning_moe.layers import expert_kernels
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.models import CoreAttention, MoETransformerConfig
-from lightning_moe.parallel import ParallelDims
+from lightning_moe.parallel import ParallelDims, allow_mixed_tensors
 from lightning_moe.parallel.grad_sync import GradSync
 from lightning_moe.strategies.model_setup import materialize
 from lightning_moe.strategies.step_safeguards import StepSafeguards
@@ -114,7 +110,9 @@ def run_fake_steps(
                 sync = GradSync(model, ctx, bucket_size_mb=2.0**40, explicit_backward=True)
             safeguards = StepSafeguards()
             safeguards.setup(model, ctx, torch.device("cpu"), None, False)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+            # torch's choice on CUDA (foreach); MoEStrategy's allow_mixed_tensors lets it step the
+            # mix of DTensors and plain tensors.
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
             saved = _SavedBytes(model, probe)
             records = []
             # The experts compute in bf16 under autocast as on a GPU (on a CPU without bf16 units
@@ -246,5 +244,6 @@ def _one_step(model, ctx, sync, safeguards, optimizer, step, micro_batches, batc
     safeguards.verify_batches()
     probe.phase = "optimizer"
     assert safeguards.before_optimizer_step(optimizer, ctx, step, None, log=lambda *_: None)
-    optimizer.step()
+    with allow_mixed_tensors():  # as MoEStrategy.optimizer_step runs the update
+        optimizer.step()
     optimizer.zero_grad()  # set_to_none=True, Lightning's default
