@@ -2,7 +2,8 @@
 
 A ``TorchDispatchMode`` above ``FakeTensorMode`` (`scale.fake_step` runs a training step under it):
 
-* collectives: every ``c10d`` and functional-collective op, with the members of its group, whether
+* collectives: every op of `scale.dispatch_audit.COLLECTIVE_NAMESPACES` (``c10d``, functional
+  collectives, DTensor's own), classified by kind, with the members of its group, whether
   it ran in forward or backward and the model part it ran in (``ModTracker``), and the product
   file that issued it (``grad_sync.py``, ``grad_norm.py``, ...). DTensor ops are let through first
   (the mode returns ``NotImplemented`` for them, as torch's ``CommDebugMode`` does), so the
@@ -17,11 +18,12 @@ A ``TorchDispatchMode`` above ``FakeTensorMode`` (`scale.fake_step` runs a train
   and reads of real tensors (made outside ``FakeTensorMode``) are counted apart: they are no
   device synchronisation;
 * bytes: the live bytes of every storage, from the tensors `StepProbe.adopt` is given to
-  everything ops create, and their peak per phase. DTensor's shape propagation (it runs each new
-  op once on global-shape fake tensors, which pass through this mode under an outer
-  ``FakeTensorMode``) is not counted: a real run allocates nothing for it.
-  (``torch.distributed._tools.mem_tracker.MemTracker`` refuses a module called more than once per
-  context, as gradient accumulation does.)
+  everything ops create, and their peak per phase. The probe is a `helpers.live_bytes.LiveBytes`
+  (the counter of the setup tests), so setup, step and save are counted alike; a meta tensor
+  allocates nothing. DTensor's shape propagation (it runs each new op once on global-shape fake
+  tensors, which pass through this mode under an outer ``FakeTensorMode``) is not counted: a real
+  run allocates nothing for it. (``torch.distributed._tools.mem_tracker.MemTracker`` refuses a
+  module called more than once per context, as gradient accumulation does.)
 
 What it cannot see: device-to-host copies other than the reads above (everything is on the CPU
 here), GPU streams, NCCL buffers, allocator caching and fragmentation.
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import os
 import sys
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -41,11 +42,12 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from helpers.live_bytes import LiveBytes
+from scale.dispatch_audit import COLLECTIVE_NAMESPACES
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import lightning_moe
@@ -175,7 +177,7 @@ def _nested(shape: tuple[int, ...], value: Any) -> Any:
     return value if not shape else [_nested(shape[1:], value) for _ in range(shape[0])]
 
 
-class StepProbe(TorchDispatchMode):
+class StepProbe(LiveBytes):
     """Collectives, host reads and live bytes of everything run inside it (module docstring).
 
     Args:
@@ -187,8 +189,6 @@ class StepProbe(TorchDispatchMode):
         super().__init__()
         self.answers, self.tracker = dict(answers), tracker
         self.record = StepRecord()
-        self.live = 0
-        self._storages: set[int] = set()
         self._propagating = False
         self.phase = "micro-batch"
         """Set by the step driver: ``micro-batch`` (forward or backward, from the tracker), ``optimizer``
@@ -199,29 +199,13 @@ class StepProbe(TorchDispatchMode):
     def adopt(self, tensors: list[torch.Tensor]) -> None:
         """Count the storages of ``tensors`` (made before the probe, e.g. the parameters) as live."""
         for tensor in tensors:
-            self._track(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+            self._count(tensor)
 
-    def _track(self, tensor: torch.Tensor) -> None:
-        if isinstance(tensor, DTensor):
-            tensor = tensor._local_tensor
-        if tensor.device.type == "meta":
-            return  # e.g. torch.empty(shape, device="meta") for a stride: no memory in a real run
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self._storages:
-            return
-        self._storages.add(key)
-        nbytes = storage.nbytes()
-        self.live += nbytes
+    def _count(self, tensor: torch.Tensor) -> None:
+        super()._count(tensor)  # live grows only here: the peaks are updated where it may have
         self.record.peak_bytes = max(self.record.peak_bytes, self.live)
         phase = self.phase if self.phase != "micro-batch" else ("backward" if self.tracker.is_bw else "forward")
         self.record.phase_peaks[phase] = max(self.record.phase_peaks.get(phase, 0), self.live)
-        weakref.finalize(storage, self._release, key, nbytes)
-
-    def _release(self, key: int, nbytes: int) -> None:
-        if key in self._storages:
-            self._storages.discard(key)
-            self.live -= nbytes
 
     def new_step(self) -> StepRecord:
         """Start recording a new step; returns the finished one."""
@@ -261,13 +245,13 @@ class StepProbe(TorchDispatchMode):
         name = str(func.overloadpacket)
         if name in _KIND_OF:
             self._record_collective(_KIND_OF[name], func, args, kwargs)
-        elif name.startswith(("c10d.", "_c10d_functional.")) and name not in _IGNORED:
+        elif func.namespace in COLLECTIVE_NAMESPACES and name not in _IGNORED:
             raise AssertionError(f"collective {name} is not classified in scale.step_probe._KINDS")
         out = func(*args, **kwargs)
         if not self._propagating:
             for tensor in tree_flatten(out)[0]:
                 if isinstance(tensor, torch.Tensor):
-                    self._track(tensor)
+                    self._count(tensor)
         return out
 
     def _record_collective(self, kind: str, func, args: tuple, kwargs: dict) -> None:
