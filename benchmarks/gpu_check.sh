@@ -49,6 +49,10 @@ print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no
 EOF
 
 # 1. Tests marked gpu or te (tests/conftest.py turns missing hardware into skips with a reason).
+# Among them what the CPU scale tests (tests/scale/, fake tensors: bytes and collectives only)
+# cannot show, in tests/parallel/test_scale_gpu.py (about half a minute, one fake rank of 8 on this
+# GPU): the setup peak of torch.cuda.max_memory_allocated against the rank's shard, and FSDP2
+# preparing each block's all-gather on its own stream while the previous block computes.
 # Only the files that hold such tests are collected: others may import what a GPU image lacks
 # (jsonargparse for the CLI tests), and one collection error would stop the whole run.
 mapfile -t gpu_test_files < <(grep -rlE 'pytest\.mark\.(gpu|te)\b' tests --include='test_*.py' | sort)

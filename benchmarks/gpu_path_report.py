@@ -18,6 +18,8 @@ CHECKS = {
     "16-mixed aux grads vs fp32": "tests/callbacks/test_loss_scaling.py::test_16_mixed_aux_gradients",
     "sync-free grouped path": "tests/layers/test_sync_free.py::",
     "CP ring on CUDA flash attention": "tests/parallel/test_context_parallel_gpu.py::",
+    "setup peak <= shard + one tensor": "tests/parallel/test_scale_gpu.py::test_setup_peak",
+    "FSDP2 all-gather prefetch overlap": "tests/parallel/test_scale_gpu.py::test_fsdp2_prepares",
 }
 """What is checked -> the id prefix (``path::name``) of its tests."""
 

@@ -4,32 +4,44 @@ Each preset of ``examples/configs/models/`` is built on the meta device and set 
 a world of 64-1024 on torch's fake process group (``tests/scale/fake_world.py``): ``parallelize``
 applies the layout, then ``materialize`` gives the rank's shards storage and draws their values,
 as ``MoEStrategy`` does, but under ``FakeTensorMode``, so nothing is allocated and every allocation
-is counted (``torch.distributed._tools.mem_tracker.MemTracker``). Printed per layout, for the
-first and the last rank (the larger is shown):
+is counted, by the counter of the scale tests (``tests/helpers/live_bytes.py``; the step probe
+``tests/scale/step_probe.py`` is one too). Printed per layout (the whole model, every layer):
 
 * ``params`` / ``grads`` / ``optimizer``: bytes of the rank's shards under ``bf16-mixed``: fp32
   parameters (the master weights), fp32 gradients of the same local shapes, AdamW's two fp32
   moments;
 * ``setup peak``: the largest live bytes while the shards are materialised and initialised, and
-  its ratio to the rank's parameter bytes (1.0 = nothing beyond the shard ever lived);
-* ``state_dict``: bytes that ``model.state_dict()`` allocates beyond the parameters it returns
-  (0 when every entry is a view of a held shard; a gather shows here), counted on the local
-  tensors (``tests/scale/dispatch_audit.py``): a DTensor's wrapper reports its *global* size but
-  holds no storage, so it is not counted itself;
+  its ratio to the rank's parameter bytes (1.0 = nothing beyond the shard ever lived); first and
+  last rank, the larger shown. The drawn initial values are host memory on a GPU machine (layers
+  draw on the CPU), counted here all the same;
+* ``first step peak``: the largest live bytes of the first optimizer step on rank 0
+  (``tests/scale/fake_step.py``: one micro-batch of 4096 tokens, what ``MoEStrategy`` runs under
+  ``bf16-mixed``: the TP batch check, forward, vocabulary-parallel loss, backward with the
+  gradient sync, the gradient guard, ``AdamW.step`` (foreach, torch's choice on CUDA, under
+  ``allow_mixed_tensors``); forced-balanced routing, the ``alltoall`` dispatcher, the GPU's expert
+  kernel and flash attention's memory), and ``step transient``: that peak minus params, grads and
+  optimizer states (activations, bf16 weight copies, temporaries);
+* ``save transient``: the largest bytes beyond what rank 0 holds while it saves a sharded
+  checkpoint after that step (``tests/scale/fake_save.py``: the model's ``state_dict()``, the
+  optimizer's and ``torch.distributed.checkpoint.save`` with a writer that resolves each item as
+  ``FileSystemWriter`` does, writing nothing); a gather in ``state_dict()`` shows here. DCP runs
+  with ``no_dist`` (its plan exchange cannot run on the fake backend), so the coordinator's global
+  plan and the writer's host-side staging are not counted;
 * ``Megatron w+o``: the weight-and-optimizer bytes of Megatron-LM's ``report_theoretical_memory``
   formula (``megatron/training/theoretical_memory_usage.py``; not in the ``megatron-core`` wheel,
   so it is evaluated here from its published definition): the whole model's parameters, experts
   included, divided by TP (and the blocks by PP), times 18 bytes per parameter (bf16 weights, fp32
   gradients, fp32 master weights and two moments), or ``6 + 12 / DP`` with the distributed
-  optimizer. It divides routed experts by TP, not by EP x ETP, so it differs from the layout's
-  arithmetic wherever EP x ETP != TP.
+  optimizer (the sharded rows). It divides routed experts by TP, not by EP x ETP, so it differs
+  from the layout's arithmetic wherever EP x ETP != TP; and its distributed optimizer shards the
+  optimizer state only, where FSDP2 shards parameters and gradients too.
 
-What this cannot show: the first training step's transients (the token dispatch needs
-data-dependent sizes, and a fake step of these models would need forced routing), allocator
-fragmentation, communicator buffers and GPU streams. ``benchmarks/gpu_check.sh`` measures the
-setup peak against the shard with ``torch.cuda.max_memory_allocated`` on a real GPU.
+The fake step runs NO_SHARD data parallelism only: sharded rows (``FULL_SHARD``) show the state and
+the setup, not the step or the save (``-``). What this cannot show: allocator fragmentation and
+caching, communicator buffers, GPU streams. ``benchmarks/gpu_check.sh`` measures the setup peak
+against the shard with ``torch.cuda.max_memory_allocated`` on a real GPU.
 
-    python benchmarks/scale_memory.py                      # the table, about a minute on 2 cores
+    python benchmarks/scale_memory.py                      # the table, a few minutes on 2 cores
     python benchmarks/scale_memory.py --output scale.md    # also as markdown
     python benchmarks/scale_memory.py --quick              # the first layout only
 """
@@ -46,45 +58,52 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # scale harness
 
+from helpers.live_bytes import LiveBytes
 from models.test_presets import load_preset
-from scale.dispatch_audit import DispatchAudit
-from scale.fake_world import fake_rank, local_numel
+from scale.fake_step import FakeRun, run_fake_steps
+from scale.fake_world import fake_rank, sharded_preset
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.tensor import DTensor
 
 from lightning_moe.models import MoETransformer, MoETransformerConfig
-from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
+from lightning_moe.parallel import ParallelDims
 from lightning_moe.strategies.model_setup import materialize
 
 GIB = 2**30
+SEQ_LEN = 4096
+"""Tokens of the first step's micro-batch (one sequence)."""
 
-# (preset, layout, sharding): what a user would pick for each model at its scale.
+# (preset, layout, sharding): what a user would pick for each model at its scale, replicated and
+# with FSDP2 (for the state that does not fit replicated; its rows measure setup and state only).
 LAYOUTS = [
     ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=8, etp=1), "NO_SHARD"),
+    ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=8, etp=1), "FULL_SHARD"),
     ("mixtral_8x7b", ParallelDims(world_size=64, tp=8, ep=4, etp=2), "NO_SHARD"),
     ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1), "NO_SHARD"),
+    ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1), "FULL_SHARD"),
     ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1), "NO_SHARD"),
+    ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1), "FULL_SHARD"),
 ]
-
-
-def _local_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    tensors = [*model.parameters(), *model.buffers()]
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 @dataclass
 class Row:
-    """One rank's measured and computed bytes."""
+    """One layout's measured and computed bytes (``None``: not measured for this layout)."""
 
     local_params: int
     setup_peak: int
-    state_dict_extra: int
+    step_peak: int | None
+    save_transient: int | None
     megatron: float
 
     @property
     def params(self) -> int:
+        """fp32 parameter bytes."""
         return 4 * self.local_params
+
+    @property
+    def state(self) -> int:
+        """fp32 parameters, gradients and AdamW's two moments: 16 bytes per element."""
+        return 4 * self.params
 
 
 def megatron_weight_and_optimizer_bytes(config: MoETransformerConfig, dims: ParallelDims, distributed: bool) -> float:
@@ -104,26 +123,31 @@ def megatron_weight_and_optimizer_bytes(config: MoETransformerConfig, dims: Para
     return shard * per_param
 
 
-def measure_rank(config: MoETransformerConfig, dims: ParallelDims, sharding: str, rank: int) -> Row:
-    """Set up ``rank`` of ``dims`` under FakeTensorMode and count what it allocates."""
+def measure_setup(name: str, dims: ParallelDims, sharding: str, rank: int) -> tuple[int, int]:
+    """(local parameter elements, peak live bytes) of setting up ``rank`` of ``dims`` under FakeTensorMode."""
     with fake_rank(rank, dims.world_size):
-        with torch.device("meta"):
-            model = MoETransformer(config)
-        ctx = build_parallel_context(dims, "cpu")
-        parallelize(model, ctx, sharding_strategy=sharding)
-        local = sum(local_numel(p) for p in model.parameters())
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            setup = MemTracker()
-            with setup:
-                materialize(model, torch.device("cpu"))
-            setup_peak = setup.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-            held = {t.untyped_storage()._cdata for t in _local_tensors(model)}
-            with DispatchAudit(held) as saving:
-                state = model.state_dict()
-            extra = saving.peak_bytes
-            del state
-    megatron = megatron_weight_and_optimizer_bytes(config, dims, distributed=sharding != "NO_SHARD")
-    return Row(local, setup_peak, extra, megatron)
+        sharded = sharded_preset(name, dims, rank, sharding)
+        with FakeTensorMode(allow_non_fake_inputs=True), LiveBytes() as setup:
+            materialize(sharded.model, torch.device("cpu"))
+        return sharded.local_parameters(), setup.peak
+
+
+def measure_step_and_save(name: str, dims: ParallelDims) -> FakeRun:
+    """The first optimizer step (one micro-batch of `SEQ_LEN` tokens) and a checkpoint save, on rank 0."""
+    return run_fake_steps(name, dims, 0, SEQ_LEN, micro_batches=1, steps=1, save_checkpoint=True)
+
+
+def measure(name: str, dims: ParallelDims, sharding: str) -> Row:
+    """Every column of one layout (the step and the save: NO_SHARD only, the fake step's data parallelism)."""
+    setups = [measure_setup(name, dims, sharding, rank) for rank in (0, dims.world_size - 1)]
+    local, setup_peak = max(setups, key=lambda s: (s[1], s[0]))
+    step_peak = save_transient = None
+    if sharding == "NO_SHARD":
+        run = measure_step_and_save(name, dims)
+        step_peak = run.steps[0].peak_bytes
+        save_transient = run.save.peak_bytes - run.save.start_bytes
+    megatron = megatron_weight_and_optimizer_bytes(load_preset(name), dims, distributed=sharding != "NO_SHARD")
+    return Row(local, setup_peak, step_peak, save_transient, megatron)
 
 
 def layout_name(dims: ParallelDims, sharding: str) -> str:
@@ -134,6 +158,10 @@ def layout_name(dims: ParallelDims, sharding: str) -> str:
     return " ".join(parts) + ("" if sharding == "NO_SHARD" else f" {sharding}")
 
 
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", help="also write the table as markdown to this file")
@@ -141,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     layouts = LAYOUTS[:1] if args.quick else LAYOUTS
     header = ("| preset | layout | local params | params GiB | grads GiB | optimizer GiB | setup peak GiB "
-              "| setup peak / params | state_dict extra GiB | Megatron w+o GiB | ours w+o GiB |")
+              "| setup peak / params | first step peak GiB | step transient GiB | save transient GiB "
+              "| Megatron w+o GiB | ours w+o GiB |")
     lines = [
-        "### Per-rank bytes at scale (bf16-mixed, AdamW; fake process group, FakeTensorMode)",
+        f"### Per-rank bytes at scale (bf16-mixed, AdamW; fake process group, FakeTensorMode; "
+        f"first step: one micro-batch of {SEQ_LEN} tokens)",
         "",
         header,
         "|" + "---|" * (header.count("|") - 1),
@@ -151,15 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
     for name, dims, sharding in layouts:
         started = time.perf_counter()
-        config = load_preset(name)
-        rows = [measure_rank(config, dims, sharding, rank) for rank in (0, dims.world_size - 1)]
-        row = max(rows, key=lambda r: (r.setup_peak, r.local_params))
-        ours = row.params * 4  # fp32 params + fp32 grads + two fp32 moments: 16 bytes per element
+        row = measure(name, dims, sharding)
+        transient = None if row.step_peak is None else row.step_peak - row.state
         line = (
             f"| {name} | {layout_name(dims, sharding)} | {row.local_params / 1e9:.3f}B | {row.params / GIB:.2f} "
             f"| {row.params / GIB:.2f} | {2 * row.params / GIB:.2f} | {row.setup_peak / GIB:.2f} "
-            f"| {row.setup_peak / row.params:.2f} | {row.state_dict_extra / GIB:.2f} "
-            f"| {row.megatron / GIB:.2f} | {ours / GIB:.2f} |"
+            f"| {row.setup_peak / row.params:.2f} | {_gib(row.step_peak)} | {_gib(transient)} "
+            f"| {_gib(row.save_transient)} | {row.megatron / GIB:.2f} | {row.state / GIB:.2f} |"
         )
         lines.append(line)
         print(line, f"<!-- {time.perf_counter() - started:.1f} s -->", flush=True)

@@ -139,6 +139,37 @@ def test_pipeline_bubble_smoke():
     assert float(cells[1]) > 0 and float(cells[2]) > 0, cells
 
 
+def test_scale_memory_smoke(tmp_path):
+    """The first layout (Mixtral 8x7B, world 64, TP=8, EP=8): its parameters are the formula's, the
+    state columns follow from them (fp32 gradients, two fp32 moments), the first step's transient
+    holds at least what its optimizer step must add to the state (foreach AdamW's fp32 ``sqrt`` of
+    every second moment, one fp32 copy of the parameters, beside the bf16 copies of the local experts
+    that bf16-mixed computes with), and the checkpoint save allocates nothing beyond the shards."""
+    from models.test_presets import load_preset
+    from scale.formula import local_parameters
+    from scale.step_formula import local_experts_parameters
+
+    from lightning_moe.parallel import ParallelDims
+
+    output = tmp_path / "scale.md"
+    out = _run("scale_memory.py", "--quick", "--output", str(output), timeout=280)  # under pytest-timeout's 300 s
+    (row,) = [line for line in out.splitlines() if line.startswith("| mixtral_8x7b")]
+    cells = [c.strip() for c in row.split("<!--")[0].strip().strip("|").split("|")]
+    name, layout, local, params, grads, optimizer, setup, setup_ratio, step, transient, save, megatron, ours = cells
+    config, dims = load_preset("mixtral_8x7b"), ParallelDims(world_size=64, tp=8, ep=8, etp=1)
+    elements = local_parameters(config, dims)
+    assert (name, layout) == ("mixtral_8x7b", "W64 TP8 EP8")
+    assert local == f"{elements / 1e9:.3f}B"
+    # fp32 parameters and gradients, two fp32 moments, 16 bytes in all per element.
+    assert [params, grads, optimizer, ours] == [f"{n * elements / 2**30:.2f}" for n in (4, 4, 8, 16)]
+    assert float(setup_ratio) >= 1.0 and float(setup) >= float(params)
+    optimizer_step = (4 * elements + 2 * local_experts_parameters(config, dims)) / 2**30
+    assert float(step) >= float(ours) and float(transient) >= round(optimizer_step, 2)
+    assert save == "0.00"
+    assert float(megatron) > 0
+    assert output.read_text().splitlines()[-1] == row.split(" <!--")[0]
+
+
 def _load_benchmark(name: str):
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

@@ -29,17 +29,33 @@ from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel
 __all__ = ["Sharded", "fake_rank", "local_numel", "sharded_preset"]
 
 
+def _forget_sharding_cache() -> None:
+    """Empty DTensor's caches of op output layouts (its C++ fast path's and the Python ones).
+
+    They key on meshes that compare equal across fake worlds of one shape (ranks and names, not
+    the process's own rank) and hand back the cached layout's mesh: a later fake rank would get
+    DTensors on an earlier rank's mesh, whose coordinate is the earlier rank's. A real job has one
+    rank per process, where that mesh is always its own."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+
+
 @contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """Run the body as ``rank`` of ``world_size`` on the fake backend; the group is destroyed after,
-    also when the body raises, so later tests (and forked gloo ranks) start without one."""
+    also when the body raises, so later tests (and forked gloo ranks) start without one, and no
+    DTensor layout cached in the body reaches a later rank (`_forget_sharding_cache`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_sharding_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_sharding_cache()
 
 
 def local_numel(param: torch.Tensor) -> int:
@@ -62,12 +78,17 @@ class Sharded:
 
 
 def sharded_preset(
-    name: str, dims: ParallelDims, rank: int, sharding_strategy: str = "NO_SHARD"
+    name: str,
+    dims: ParallelDims,
+    rank: int,
+    sharding_strategy: str = "NO_SHARD",
+    config: MoETransformerConfig | None = None,
 ) -> Sharded:
     """Build preset ``name`` on meta and ``parallelize`` it as ``rank`` of ``dims``.
 
+    ``config``: the preset's config with changes (fewer layers), in place of the preset's own.
     Must run inside `fake_rank` (``parallelize`` creates DTensors on the context's meshes)."""
-    config = load_preset(name)
+    config = load_preset(name) if config is None else config
     with torch.device("meta"):
         model = MoETransformer(config)
     ctx = build_parallel_context(dims, "cpu")
