@@ -25,9 +25,11 @@ view in place and ``zero_grad(set_to_none=False)`` zeroes it. After the all-redu
 written back. That one copy per parameter and step is the cheapest way into a flat buffer for a
 gradient autograd allocated: keeping the views through ``zero_grad`` instead would zero the
 buffer and add the new gradient to it (Megatron's grad buffer without its fused weight-gradient
-kernels), more memory traffic for the same result. Expert weights skip that copy: their kernel
-writes the gradient straight into the slot (``GroupedExperts.place_weight_grad``, once the buckets
-exist), which is also the memory it reuses from step to step. Nothing else is allocated or copied per step
+kernels), more memory traffic for the same result. Expert weights under the per-expert loop kernel
+(CPU, fp32, GPUs before Hopper) skip that copy: the kernel writes the gradient straight into the
+slot (``GroupedExperts.place_weight_grad``, once the buckets exist), which is also the memory it
+reuses from step to step; ``grouped_mm``'s gradients come from autograd and are copied like the
+dense ones. Nothing else is allocated or copied per step
 (a replicated gradient of a sharded parameter is sliced, not redistributed, on its way in).
 
 Parameters narrower than fp32 (``bf16-true``, ``16-true``) are reduced in fp32 by default, as
