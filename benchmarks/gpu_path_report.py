@@ -20,6 +20,7 @@ CHECKS = {
     "CP ring on CUDA flash attention": "tests/parallel/test_context_parallel_gpu.py::",
     "setup peak <= shard + one tensor": "tests/parallel/test_scale_gpu.py::test_setup_peak",
     "FSDP2 all-gather prefetch overlap": "tests/parallel/test_scale_gpu.py::test_fsdp2_prepares",
+    "foreach/fused AdamW, mixed TP groups": "tests/parallel/test_mixed_step_gpu.py::",
 }
 """What is checked -> the id prefix (``path::name``) of its tests."""
 

@@ -24,14 +24,14 @@ from lightning_moe.parallel import ParallelDims, allow_mixed_tensors, build_para
 
 pytestmark = pytest.mark.gpu
 
-TOL = 1e-6  # fp32 AdamW, two steps: the foreach kernels round as the loop does, up to fused multiply-adds
+TOL = 1e-6  # fp32 AdamW, two steps: the foreach and fused kernels order their operations their own way
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _steps(foreach: bool) -> dict[str, torch.Tensor]:
+def _steps(kernel: str) -> dict[str, torch.Tensor]:
     config = MoETransformerConfig(
         vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
         first_dense_layers=1, max_seq_len=8, moe=MoEConfig(32, 16, 4, top_k=2, shared_expert_ffn_hidden_size=16),
@@ -46,7 +46,8 @@ def _steps(foreach: bool) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for p in model.parameters():
             _local(p).copy_(torch.randn(_local(p).shape, generator=generator, device="cuda"))
-    optimizer = torch.optim.AdamW(optimizer_param_groups(model, 0.1), lr=1e-2, foreach=None if foreach else False)
+    options = {"default": {}, "fused": {"fused": True}, "loop": {"foreach": False}}[kernel]
+    optimizer = torch.optim.AdamW(optimizer_param_groups(model, 0.1), lr=1e-2, **options)
     for _ in range(2):
         for p in model.parameters():
             grad = torch.randn(_local(p).shape, generator=generator, device="cuda")
@@ -56,13 +57,15 @@ def _steps(foreach: bool) -> dict[str, torch.Tensor]:
     return {n: _local(p).detach().cpu() for n, p in model.named_parameters()}
 
 
-def test_default_cuda_adamw_steps_over_mixed_groups():
+@pytest.mark.parametrize("kernel", ["default", "fused"])
+def test_cuda_adamw_kernels_step_over_mixed_groups(kernel):
+    """torch's default (foreach) and the fused kernel, which MoELanguageModel picks on CUDA."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        default, loop = _steps(foreach=True), _steps(foreach=False)
+        got, loop = _steps(kernel), _steps("loop")
     finally:
         dist.destroy_process_group()
-    for name, value in default.items():
+    for name, value in got.items():
         torch.testing.assert_close(value, loop[name], rtol=TOL, atol=TOL, msg=name)
