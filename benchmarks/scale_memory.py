@@ -17,8 +17,8 @@ is counted, by the counter of the scale tests (``tests/helpers/live_bytes.py``; 
 * ``first step peak``: the largest live bytes of the first optimizer step on rank 0
   (``tests/scale/fake_step.py``: one micro-batch of 4096 tokens, what ``MoEStrategy`` runs under
   ``bf16-mixed``: the TP batch check, forward, vocabulary-parallel loss, backward with the
-  gradient sync, the gradient guard, ``AdamW.step`` (foreach, torch's choice on CUDA, under
-  ``allow_mixed_tensors``); forced-balanced routing, the ``alltoall`` dispatcher, the GPU's expert
+  gradient sync, the gradient guard, ``AdamW.step`` (fused, as ``MoELanguageModel`` asks on CUDA,
+  under ``allow_mixed_tensors``); forced-balanced routing, the ``alltoall`` dispatcher, the GPU's expert
   kernel and flash attention's memory), and ``step transient``: that peak minus params, grads and
   optimizer states (activations, bf16 weight copies, temporaries);
 * ``save transient``: the largest bytes beyond what rank 0 holds while it saves a sharded

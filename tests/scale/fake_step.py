@@ -12,8 +12,8 @@ micro-batch); then the batch verification, the finite-gradient guard (global gra
 NO_SHARD data parallelism, the ``alltoall`` dispatcher, dropless, forced-balanced routing.
 
 The model takes the path it takes on an H100/H200 (`_take_the_gpu_path`): ``grouped_mm`` experts
-that save their activation, and flash attention's memory; ``AdamW`` runs ``foreach``, torch's
-choice on CUDA (off CUDA it would pick the per-tensor loop). Where this differs from a GPU run:
+that save their activation, and flash attention's memory; ``AdamW`` runs ``fused``, what
+``MoELanguageModel`` asks for on CUDA. Where this differs from a GPU run:
 
 * GradSync is built outside ``FakeTensorMode``: it computes each DTensor's block offsets once with
   torch's helper, whose host tensors a fake mode would make valueless;
@@ -110,9 +110,9 @@ def run_fake_steps(
                 sync = GradSync(model, ctx, bucket_size_mb=2.0**40, explicit_backward=True)
             safeguards = StepSafeguards()
             safeguards.setup(model, ctx, torch.device("cpu"), None, False)
-            # torch's choice on CUDA (foreach); MoEStrategy's allow_mixed_tensors lets it step the
-            # mix of DTensors and plain tensors.
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+            # Fused, as MoELanguageModel asks on CUDA; MoEStrategy's allow_mixed_tensors lets it step
+            # the mix of DTensors and plain tensors.
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
             saved = _SavedBytes(model, probe)
             records = []
             # The experts compute in bf16 under autocast as on a GPU (on a CPU without bf16 units
