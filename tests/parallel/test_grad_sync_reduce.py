@@ -7,8 +7,6 @@ measures whether backward still overlaps; see benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,18 +66,21 @@ def test_bf16_gradients_are_reduced_in_fp32_by_default(tmp_path):
 
 
 def _fp32_buckets_alive(rank: int, world: int) -> list[int]:
-    """At each all-reduce of the 8 one-parameter buckets: how many fp32 copies are still alive."""
+    """At each all-reduce of the 8 one-parameter buckets: how many fp32 copies GradSync still holds.
+
+    Counted from the buckets (each fp32 copy hangs on its bucket until rounded back), not through
+    weak references to the tensors: after ``wait()`` returns, gloo's worker thread may still hold
+    the finished work, and with it the tensor, for a moment, which a weak reference would count."""
     model = _Vector(parts=8)
     sync = GradSync(model, build_parallel_context(ParallelDims(world), "cpu"), bucket_size_mb=1e-4)
     assert len(sync.buckets) == 8
-    alive: list[weakref.ref] = []
     counts: list[int] = []
     real = dist.all_reduce
 
     def all_reduce(tensor, *args, **kwargs):
-        if tensor.dtype == torch.float32:
-            alive.append(weakref.ref(tensor))
-        counts.append(sum(ref() is not None for ref in alive))
+        held = [b.staging for b in sync.buckets if b.staging is not None]
+        assert any(t is tensor for t in held), "the all-reduce does not sum the bucket's fp32 copy"
+        counts.append(len(held))
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = all_reduce
@@ -88,6 +89,7 @@ def _fp32_buckets_alive(rank: int, world: int) -> list[int]:
         sync.finish()
     finally:
         dist.all_reduce = real
+    assert all(b.staging is None for b in sync.buckets), "an fp32 copy outlived finish()"
     return counts
 
 
