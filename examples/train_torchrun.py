@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
         dcp.save(model.state_dict(), checkpoint_id=args.save)
         if rank == 0:
             print(f"saved a sharded checkpoint of the model to {args.save}", flush=True)
+    dist.barrier()  # every rank done communicating before any closes its connections
     dist.destroy_process_group()
 
 
