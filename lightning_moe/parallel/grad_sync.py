@@ -29,8 +29,8 @@ kernels), more memory traffic for the same result. Expert weights under the per-
 (CPU, fp32, GPUs before Hopper) skip that copy: the kernel writes the gradient straight into the
 slot (``GroupedExperts.place_weight_grad``, once the buckets exist), which is also the memory it
 reuses from step to step; ``grouped_mm``'s gradients come from autograd and are copied like the
-dense ones. Nothing else is allocated or copied per step
-(a replicated gradient of a sharded parameter is sliced, not redistributed, on its way in).
+dense ones. Nothing else is allocated or copied per step (the vocab-parallel embedding's gradient
+arrives as this rank's rows, like the other sharded ones).
 
 Parameters narrower than fp32 (``bf16-true``, ``16-true``) are reduced in fp32 by default, as
 Megatron's ``grad_reduce_in_fp32``: at its launch a bucket is copied to fp32, pre-scaled and summed
@@ -73,7 +73,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
@@ -97,13 +96,8 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-_Block = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def _land_grad(param: Tensor, slot: Tensor, tp_size: int, block: _Block | None) -> None:
-    """Write this rank's contribution to the sum of ``param``'s gradient into ``slot`` (one pass).
-
-    ``block``: shape and global offset of this rank's block of a DTensor ``param``."""
+def _land_grad(param: Tensor, slot: Tensor, tp_size: int) -> None:
+    """Write this rank's contribution to the sum of ``param``'s gradient into ``slot`` (one pass)."""
     grad = param.grad
     if not isinstance(grad, DTensor):
         slot.copy_(grad)
@@ -113,14 +107,9 @@ def _land_grad(param: Tensor, slot: Tensor, tp_size: int, block: _Block | None) 
         slot.copy_(grad.to_local())  # a partial sum: exactly what the reduction adds up
         return
     if isinstance(param, DTensor) and grad.placements != param.placements:
-        if all(isinstance(p, Replicate) for p in grad.placements):
-            # This rank's block of the full gradient, as a view: redistribute would copy it first.
-            shape, offset = block
-            local = grad.to_local()
-            for dim, (size, start) in enumerate(zip(shape, offset)):
-                local = local.narrow(dim, start, size)
-        else:  # e.g. Partial -> Shard: a reduce-scatter over TP
-            local = grad.redistribute(param.device_mesh, param.placements).to_local()
+        # Not on the reference model's plan, whose sharded parameters get gradients of their own
+        # layout (its vocab-parallel embedding included); e.g. Partial -> Shard: a reduce-scatter.
+        local = grad.redistribute(param.device_mesh, param.placements).to_local()
     else:
         local = grad.to_local()
     if replicated and tp_size > 1:
@@ -224,11 +213,6 @@ class GradSync:
         self._staged: list[_Bucket] = []  # buckets whose fp32 copy is alive, oldest first
         self.buckets = self._make_buckets(module, int(bucket_size_mb * 2**20))
         self._bucket_of = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
-        # Fixed per parameter; computed here, not per step (torch's helper allocates index tensors).
-        self._blocks: dict[int, _Block] = {
-            id(p): compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            for b in self.buckets for p in b.params if isinstance(p, DTensor)
-        }
         # Modules whose kernels can write a weight's gradient straight into its slot (GroupedExperts).
         self._grad_writers = {
             id(p): m for m in module.modules() if callable(getattr(m, "place_weight_grad", None))
@@ -325,7 +309,7 @@ class GradSync:
                 f"{slot.device}, but the parameter is now {_local(param).dtype} with its gradient on "
                 f"{local.device}: build GradSync after the model's final .to(device, dtype)."
             )
-        _land_grad(param, slot, self._tp, self._blocks.get(id(param)))
+        _land_grad(param, slot, self._tp)
         param.grad = self._wrap(param, slot, _accumulating_placements(param))
 
     # -- reduction ------------------------------------------------------------------------------

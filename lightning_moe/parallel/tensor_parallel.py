@@ -3,7 +3,9 @@
 Applied with ``torch.distributed.tensor.parallel`` on the dense mesh's ``tp`` dimension, to a
 :class:`~lightning_moe.models.MoETransformer` built for one device:
 
-* the token embedding is sharded over the vocabulary and emits a sequence-sharded output;
+* the token embedding is sharded over the vocabulary (Megatron's vocab-parallel embedding,
+  :mod:`~lightning_moe.parallel.vocab_parallel_embedding`: each rank looks up and back-propagates
+  only its ``V / TP`` rows) and emits a sequence-sharded output;
 * norms run sequence parallel (each TP rank normalises its own slice of the sequence);
 * attention and dense MLPs gather the sequence, shard heads / hidden units column-wise
   (q/k/v, gate/up) and row-wise (o, down), and scatter the result back over the sequence;
@@ -45,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models.mla import MultiLatentAttention
 from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.vocab_parallel_embedding import VocabParallelEmbedding
 from lightning_moe.parallel.vocab_parallel_loss import VocabParallelLogits
 
 __all__ = [
@@ -157,7 +160,8 @@ def _check_divisible(model: nn.Module, tp: int) -> None:
 def tensor_parallel_plan(model: nn.Module) -> dict[str, object]:
     """The parallelize_module plan of a MoETransformer, by submodule name."""
     plan: dict[str, object] = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        # Its own style, not RowwiseParallel: see vocab_parallel_embedding (no [V, H] gradient per rank).
+        "embed": VocabParallelEmbedding(output_layout=Shard(1)),
         "norm": SequenceParallel(),
         # Local [B, S, V / TP] logits: gathering them would hold B x S x V on every rank.
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1)),

@@ -160,7 +160,7 @@ def _gradient_path(rank: int, world: int) -> list[tuple[int, list[str], int]]:
 
 def test_the_gradient_path_lands_each_gradient_with_one_copy_and_allocates_nothing(tmp_path):
     """TP=2 (DTensor gradients: sharded, Partial norms, and the vocab-parallel embedding's gradient
-    that arrives replicated) after zero_grad(set_to_none=True): each gradient is copied once into
+    of its own rows) after zero_grad(set_to_none=True): each gradient is copied once into
     its slot, the only way into a flat buffer for a gradient that autograd allocated, and nothing
     else is allocated: no temporary of a redistribution, no scaled copy. The expert kernel writes
     the expert weight gradients straight into their slots (no copy), and the memory it reuses

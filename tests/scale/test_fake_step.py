@@ -299,11 +299,9 @@ def test_forward_backward_peak_within_bound(index):
     the gradients of one block's activations in flight (one block's bound) and one fp32 weight
     gradient before it lands in its bucket (the largest local parameter; on this path, the GPU's
     ``grouped_mm`` experts, autograd allocates every weight gradient and GradSync copies it into its
-    slot: only the loop kernel writes expert gradients straight into the slots). The first step's
-    peak (no moments yet) is below the second's. Not in the bound: the embedding's gradient, which
-    torch computes over the whole vocabulary today (``test_vocab_parallel_head.py``'s known
-    defect); it comes last in backward, when the blocks' activations are freed, so their share of
-    the bound absorbs it for these presets."""
+    slot: only the loop kernel writes expert gradients straight into the slots; the embedding's is
+    its ``V / TP`` rows, ``test_vocab_parallel_head.py``). The first step's peak (no moments yet)
+    is below the second's."""
     run = fake_run(index)
     for step in run.steps:
         peak = max(step.phase_peaks["forward"], step.phase_peaks["backward"])

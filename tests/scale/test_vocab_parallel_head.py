@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.recorders import LargestTensor
 from scale.fake_world import fake_rank, sharded_preset
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from lightning_moe.parallel import ParallelDims
 
@@ -32,27 +31,6 @@ LAYOUTS = [
     ("qwen3_30b_a3b", ParallelDims(world_size=128, tp=4, ep=32, etp=1)),
     ("deepseek_v3_style", ParallelDims(world_size=1024, tp=8, ep=64, etp=1)),
 ]
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest tensor (elements) any operation returns, and which operation made it.
-
-    The mode sees DTensor operations before DTensor runs them on the local shards: a DTensor
-    result counts with its local shard, what this rank allocates.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.numel, self.where = 0, None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, DTensor):
-                t = t.to_local()
-            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                self.numel, self.where = t.numel(), f"{func} -> {tuple(t.shape)}"
-        return out
 
 
 @pytest.mark.parametrize(("name", "dims"), LAYOUTS, ids=[f"{n}-w{d.world_size}-tp{d.tp}" for n, d in LAYOUTS])
@@ -78,13 +56,6 @@ def test_logits_and_loss_stay_sharded_over_the_vocabulary(name, dims):
         assert tuple(local_hidden.grad.shape) == tuple(local_hidden.shape)
 
 
-EMBEDDING_GRADIENT = (
-    "the embedding's backward computes the whole vocabulary's weight gradient on every TP rank: DTensor "
-    "runs embedding_dense_backward replicated ([V, H], TP times the shard), then slices this rank's rows"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=EMBEDDING_GRADIENT)
 @pytest.mark.parametrize(("name", "dims"), LAYOUTS, ids=[f"{n}-w{d.world_size}-tp{d.tp}" for n, d in LAYOUTS])
 def test_embedding_gradient_stays_sharded_over_the_vocabulary(name, dims):
     """The input side of the same property: the embedding is sharded over the vocabulary (``V / TP``
@@ -103,3 +74,6 @@ def test_embedding_gradient_stays_sharded_over_the_vocabulary(name, dims):
         with LargestTensor() as backward:
             hidden.to_local().sum().backward()
         assert backward.numel <= bound, backward.where
+        grad = embed.weight.grad
+        assert isinstance(grad, DTensor) and grad.placements == (Shard(0),)
+        assert tuple(grad.to_local().shape) == (config.vocab_size // dims.tp, config.hidden_size)

@@ -203,16 +203,16 @@ def test_the_lightning_module_is_the_one_fsdp_root(runs, sharding):
 @pytest.mark.parametrize("case", [c for c in CASES if c.accumulate > 1], ids=lambda c: c.name)
 def test_gradient_accumulation_holds_gradient_shards_unless_deferred(runs, case, sharding):
     """After each micro-batch's backward: by default only the gradient shards (the parameter shards'
-    elements, none unsharded); deferred, before a step's last micro-batch, no shard yet and (at
-    least) the ``NO_SHARD`` run's gradient elements unsharded (DP or EDP times the shards)."""
+    elements, none unsharded); deferred, before a step's last micro-batch, no shard yet and the
+    ``NO_SHARD`` run's gradient elements unsharded (DP or EDP times the shards)."""
     for rank, r in enumerate(runs):
         got, replicated = r[(case.name, sharding)], r[(case.oracle, "NO_SHARD")]
         assert len(got["held"]) == STEPS * case.accumulate, rank
         for micro, held in enumerate(got["held"]):
             if case.defer and (micro + 1) % case.accumulate:
-                # At least the NO_SHARD elements: under TP the vocabulary-parallel embedding's
-                # gradient comes out of autograd replicated over TP (the whole vocabulary).
-                assert held["sharded"] == 0 and held["unsharded"] >= replicated["local params"], (rank, micro, held)
+                # Exactly the NO_SHARD elements: under TP every unsharded gradient is this rank's
+                # TP block (the vocabulary-parallel embedding's too: its rows, not the whole vocabulary).
+                assert held["sharded"] == 0 and held["unsharded"] == replicated["local params"], (rank, micro, held)
             else:
                 assert held == {"sharded": got["local params"], "unsharded": 0}, (rank, micro, held)
 
