@@ -7,7 +7,7 @@ from lightning_moe.parallel.dims import GROUP_NAMES, ParallelDims, RankCoords
 from lightning_moe.parallel.dispatchers import AllGatherDispatcher, AllToAllDispatcher, DispatchStats
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel, expert_shard, is_expert_param
 from lightning_moe.parallel.fully_shard import SHARDING_STRATEGIES, apply_fully_shard
-from lightning_moe.parallel.mixed_step import allow_mixed_tensors
+from lightning_moe.parallel.mixed_step import allow_mixed_tensors, mixed_tensor_updates
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.parallel.sharded_init import write_sharded
@@ -30,5 +30,6 @@ __all__ = [
     "build_parallel_context",
     "expert_shard",
     "is_expert_param",
+    "mixed_tensor_updates",
     "parallelize",
 ]

@@ -10,7 +10,8 @@ per-parameter loop, worked.
 
 The update of every parameter is elementwise and local, so a plain tensor can take part as if it
 were a replicated DTensor: that is DTensor's ``implicit_replication`` mode, which
-:func:`allow_mixed_tensors` switches on for the optimizer's update only. The parameter groups
+:func:`allow_mixed_tensors` switches on, and :func:`mixed_tensor_updates` for an optimizer's update
+only. The parameter groups
 stay as the model defines them (their structure is part of every optimizer checkpoint, which
 must load at any layout), and the foreach and fused kernels are kept.
 """
@@ -20,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["allow_mixed_tensors"]
+__all__ = ["allow_mixed_tensors", "mixed_tensor_updates"]
 
 
 @contextmanager
@@ -44,3 +46,35 @@ def allow_mixed_tensors(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         dispatcher._allow_implicit_replication = previous
+
+
+@contextmanager
+def mixed_tensor_updates(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """While the body runs, ``optimizer.step`` makes its update under :func:`allow_mixed_tensors`, and only that.
+
+    A step given a closure runs it first, as torch's optimizers do, outside the mode: the forward,
+    the backward and whatever the closure runs after them (Lightning's ``on_before_optimizer_step``
+    hooks, gradient clipping) keep DTensor's check. ``step`` is replaced on the instance for the
+    body only; whatever was there (torch's learning-rate schedulers wrap it) is called inside and
+    put back afterwards.
+    """
+    own = optimizer.__dict__.get("step")
+    original = optimizer.step
+
+    def step(closure=None, **kwargs):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with allow_mixed_tensors():
+            original(**kwargs)
+        return loss
+
+    optimizer.step = step
+    try:
+        yield
+    finally:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own

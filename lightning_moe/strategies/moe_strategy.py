@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
-from lightning_moe.parallel import ParallelContext, ParallelDims, allow_mixed_tensors, build_parallel_context
+from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, mixed_tensor_updates
 from lightning_moe.parallel.context_parallel_apply import shard_batch
 from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
@@ -439,26 +439,25 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """Step after the gradients of the closure's backward (or of manual backward passes) are reduced.
 
-        The update runs under :func:`~lightning_moe.parallel.allow_mixed_tensors`, so torch's foreach
+        The update runs under :func:`~lightning_moe.parallel.mixed_tensor_updates`, so torch's foreach
         and fused kernels (the default on CUDA) accept a group of DTensors and plain tensors; the
-        closure (forward and backward) runs without it."""
+        closure (forward, backward, the hooks before the step, clipping) runs without it."""
         inner = closure
 
         def reduced_closure():
-            with allow_mixed_tensors(False):
-                result = inner()
-                # The closure ran the step's last micro-batch: every batch of this step has been compared.
-                self._safeguards.verify_batches()
-                if self._grad_sync is None:
-                    return result
-                self.finish_grad_sync()  # a no-op when post_backward already reduced
-                self._safeguards.before_optimizer_step(
-                    optimizer, self.parallel_context, self.lightning_module.trainer.global_step, self._grad_scaler,
-                    log=self._log_step_metric,
-                )
+            result = inner()
+            # The closure ran the step's last micro-batch: every batch of this step has been compared.
+            self._safeguards.verify_batches()
+            if self._grad_sync is None:
+                return result
+            self.finish_grad_sync()  # a no-op when post_backward already reduced
+            self._safeguards.before_optimizer_step(
+                optimizer, self.parallel_context, self.lightning_module.trainer.global_step, self._grad_scaler,
+                log=self._log_step_metric,
+            )
             return result
 
-        with allow_mixed_tensors():
+        with mixed_tensor_updates(optimizer):
             return super().optimizer_step(optimizer, reduced_closure, model, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
