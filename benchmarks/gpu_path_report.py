@@ -21,6 +21,7 @@ CHECKS = {
     "setup peak <= shard + one tensor": "tests/parallel/test_scale_gpu.py::test_setup_peak",
     "FSDP2 all-gather prefetch overlap": "tests/parallel/test_scale_gpu.py::test_fsdp2_prepares",
     "foreach/fused AdamW, mixed TP groups": "tests/parallel/test_mixed_step_gpu.py::",
+    "consolidated save in host memory": "tests/parallel/test_consolidated_gpu.py::",
 }
 """What is checked -> the id prefix (``path::name``) of its tests."""
 

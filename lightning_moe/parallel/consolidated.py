@@ -9,8 +9,8 @@ checkpoint can hold is gathered the same way (EP, ETP, TP, FSDP2 and their foldi
 
 :func:`write_consolidated` streams a state dict through it key by key into a
 :class:`~lightning_moe.parallel.torch_file_stream.TorchFileStream`: the destination rank holds the
-tensor being assembled and at most one received piece, every other rank nothing but what it
-already held, never more than one full tensor at a time. The file loads with
+tensor being assembled (in host memory) and at most one received piece, every other rank nothing
+but what it already held, never more than one full tensor at a time. The file loads with
 ``torch.load(path, weights_only=True)`` like any ``torch.save`` file.
 
 The transfers are point-to-point sends to the destination (under NCCL a communicator per pair of
@@ -61,7 +61,13 @@ def _holds(mesh, rank: int) -> bool:
 
 
 def gather_full(value: Tensor, dst: int = 0) -> Tensor | None:
-    """The full value of ``value`` on rank ``dst`` (a new tensor on its device), None on other ranks.
+    """The full value of ``value`` on rank ``dst`` (a new tensor in host memory), None on other ranks.
+
+    The full tensor is assembled in host memory (pageable: pinning gigabytes per tensor costs more
+    than the copies it would speed up): a whole
+    global tensor (30 GiB for one DeepSeek-V3 layer's expert fc1 in fp32) would not fit beside the
+    training state on rank 0's device. A piece that arrives on the device (NCCL receives into device
+    memory only) passes through one piece-sized device buffer.
 
     A plain tensor is taken as replicated: ``dst``'s own (detached) value, no communication. For a
     DTensor, call on every rank, for the same tensors in the same order: the ranks of ``dst``'s mesh
@@ -71,7 +77,7 @@ def gather_full(value: Tensor, dst: int = 0) -> Tensor | None:
     """
     rank = _rank()
     if not isinstance(value, DTensor):
-        return value.detach() if rank == dst else None
+        return value.detach().cpu() if rank == dst else None
     if any(p.is_partial() for p in value.placements):  # not in a state dict; reduce it first, everywhere
         value = value.redistribute(placements=[Replicate() if p.is_partial() else p for p in value.placements])
     mesh = value.device_mesh
@@ -86,14 +92,15 @@ def gather_full(value: Tensor, dst: int = 0) -> Tensor | None:
             if src == rank:
                 dist.send(local.contiguous(), dst)
         return None
-    full = torch.empty(value.shape, dtype=value.dtype, device=local.device)
+    on_device = local.device.type != "cpu"
+    full = torch.empty(value.shape, dtype=value.dtype, device="cpu")
     for src, shape, offset in pieces:
         box = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
         if src == rank:
             box.copy_(local)
-        elif box.is_contiguous():
+        elif box.is_contiguous() and not on_device:
             dist.recv(box, src)
-        else:  # a piece cut along an inner dimension: received whole, then put in place
+        else:  # received whole on the pieces' device (or cut along an inner dimension), then put in place
             piece = torch.empty(shape, dtype=value.dtype, device=local.device)
             dist.recv(piece, src)
             box.copy_(piece)
