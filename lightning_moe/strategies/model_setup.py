@@ -243,9 +243,9 @@ def materialize(model: nn.Module, device: torch.device, group=None) -> None:
     or built on a device, torchmetrics states and their reset values, which ``Module.to_empty``
     would replace by uninitialised memory) keeps its values. The reference transformer and MoE
     layers re-draw every weight of their subtree from their seeds (experts from their global
-    index); other modules owning a meta tensor use their own ``reset_parameters()``, which draws
-    from each rank's own RNG, so the materialised replicated tensors are then broadcast from the
-    first rank of ``group`` (None: the default group; a pipeline stage's ranks under PP, whose
+    index, the same on every rank: nothing of theirs is sent); other modules owning a meta tensor
+    use their own ``reset_parameters()``, which draws from each rank's own RNG, so those replicated
+    tensors are then broadcast from the first rank of ``group`` (None: the default group; a pipeline stage's ranks under PP, whose
     models hold different modules). A tensor that had storage inside a re-initialised module gets
     its values back afterwards.
     """
@@ -270,9 +270,12 @@ def materialize(model: nn.Module, device: torch.device, group=None) -> None:
             (owner._parameters.get(key) if key in owner._parameters else owner._buffers[key]).copy_(value)
     if dist.is_initialized():
         source = 0 if group is None else dist.get_global_rank(group, 0)
-        materialized = {id(t): t for k, t in _subtree_tensors(model, "", True).items() if k in meta}
+        # Drawn from seeds every rank holds alike: the same values everywhere, nothing to send.
+        seeded = {k for name, module in roots if isinstance(module, (MoETransformer, MoELayer))
+                  for k in _subtree_tensors(module, name, True)}
+        drawn = {id(t): t for k, t in _subtree_tensors(model, "", True).items() if k in meta and k not in seeded}
         with torch.no_grad():
-            for tensor in materialized.values():
+            for tensor in drawn.values():
                 # Expert shards differ per rank and DTensors were drawn from seeds: leave both.
                 if not is_expert_param(tensor) and not isinstance(tensor, DTensor):
                     dist.broadcast(tensor.data, src=source, group=group)
