@@ -53,11 +53,6 @@ class StoredTensor:
         self._storage, self.shape, self.dtype = storage, shape, dtype
         self._stride = stride
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the tensor's data."""
-        return self.shape.numel() * self.dtype.itemsize
-
     def __reduce_ex__(self, protocol: int):
         # Tensor._reduce_ex_internal's form for a plain CPU tensor without hooks or metadata.
         return torch._utils._rebuild_tensor_v2, (

@@ -28,22 +28,15 @@ gradient. Target ids outside ``[0, V)`` are not checked here (it would cost a ho
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_moe.layers.expert_kernels import autocast_disabled
+
 __all__ = ["VocabParallelLogits", "vocab_parallel_cross_entropy"]
-
-
-def _no_autocast(device_type: str):
-    """Autocast off on ``device_type`` (a no-op where autocast does not exist, e.g. meta tensors)."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -51,7 +44,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, group) -> Tensor:
-        with _no_autocast(logits.device.type):  # the arithmetic stays fp32
+        with autocast_disabled(logits.device):  # the arithmetic stays fp32
             width = logits.shape[-1]
             start = dist.get_rank(group) * width  # group rank r holds columns [r * width, (r + 1) * width)
             shift = logits.amax(dim=-1).float()  # exact in any dtype
