@@ -43,14 +43,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "forget_dtensor_layouts", "run_distributed"]
 
 # Once one rank has failed, its peers are usually stuck in a collective that will never complete;
 # give them this long to report their own error before killing them, instead of the full timeout.
 _PEER_GRACE_AFTER_FAILURE_S = 5.0
 # How long a rank gets to exit after SIGTERM before SIGKILL.
 _TERMINATE_GRACE_S = 1.0
+
+
+def forget_dtensor_layouts() -> None:
+    """Empty DTensor's caches of op output layouts (its C++ fast path's and the Python ones).
+
+    They key on meshes that compare equal across worlds of one shape (ranks and names, not the
+    process's own rank) and hand back the cached layout's mesh: a fake rank played after another in
+    one process, or a rank forked from a process that played one, would get DTensors on the
+    earlier rank's mesh, whose coordinate is that rank's. A real job has one rank per process,
+    where that mesh is always its own."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
 
 
 class DistributedTestError(AssertionError):
@@ -61,6 +76,7 @@ def _rank_main(fn, rank, world_size, args, backend, store_path, timeout_s, conn)
     """Body of a forked rank: run ``fn`` inside a process group and send back (ok, value or traceback)."""
     try:
         torch.set_num_threads(1)  # ranks share the machine's few cores
+        forget_dtensor_layouts()  # layouts the parent cached (a fake rank it played) name its meshes
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
             backend,

@@ -12,6 +12,7 @@ uses internally and frees before returning (a kernel's workspace).
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -29,6 +30,8 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._alive: set[int] = set()
+        # Storages may die on other threads (a collective's worker): counts change under a lock.
+        self._lock = threading.Lock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -49,17 +52,19 @@ class LiveBytes(TorchDispatchMode):
             return
         storage = tensor.untyped_storage()
         key, nbytes = storage._cdata, storage.nbytes()
-        if key in self._alive:
-            return
-        self._alive.add(key)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        with self._lock:
+            if key in self._alive:
+                return
+            self._alive.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._release, key, nbytes)
 
     def _release(self, key: int, nbytes: int) -> None:
-        if key in self._alive:
-            self._alive.discard(key)
-            self.live -= nbytes
+        with self._lock:
+            if key in self._alive:
+                self._alive.discard(key)
+                self.live -= nbytes
 
 
 def held_bytes(module: torch.nn.Module) -> int:

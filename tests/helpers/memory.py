@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import multiprocessing
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -74,6 +75,8 @@ class HeldBytes(TorchDispatchMode):
         self.known = {t.untyped_storage()._cdata for t in tensors_in(list(known))}
         self.live = self.peak = 0
         self._seen: set[int] = set()
+        # Storages may die on other threads (a collective's worker): counts change under a lock.
+        self._lock = threading.Lock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -93,8 +96,9 @@ class HeldBytes(TorchDispatchMode):
         nbytes = storage.nbytes()
         if nbytes and self._maps_a_file(address):
             return
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._release, key, nbytes)
 
     @staticmethod
@@ -104,8 +108,9 @@ class HeldBytes(TorchDispatchMode):
         return i >= 0 and address < ends[i]
 
     def _release(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
+        with self._lock:
+            self._seen.discard(key)
+            self.live -= nbytes
 
 
 def _peak_rss() -> int:

@@ -44,6 +44,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 
 from lightning_moe.layers import expert_kernels
 from lightning_moe.layers.experts import GroupedExperts
+from lightning_moe.lit.module import adamw_kernel_options
 from lightning_moe.models import CoreAttention, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, allow_mixed_tensors
 from lightning_moe.parallel.grad_sync import GradSync
@@ -112,7 +113,7 @@ def run_fake_steps(
             safeguards.setup(model, ctx, torch.device("cpu"), None, False)
             # Fused, as MoELanguageModel asks on CUDA; MoEStrategy's allow_mixed_tensors lets it step
             # the mix of DTensors and plain tensors.
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **adamw_kernel_options({"cuda"}))
             saved = _SavedBytes(model, probe)
             records = []
             # The experts compute in bf16 under autocast as on a GPU (on a CPU without bf16 units

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from helpers.dist import forget_dtensor_layouts
 from models.test_presets import load_preset
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -29,33 +30,20 @@ from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel
 __all__ = ["Sharded", "fake_rank", "local_numel", "sharded_preset"]
 
 
-def _forget_sharding_cache() -> None:
-    """Empty DTensor's caches of op output layouts (its C++ fast path's and the Python ones).
-
-    They key on meshes that compare equal across fake worlds of one shape (ranks and names, not
-    the process's own rank) and hand back the cached layout's mesh: a later fake rank would get
-    DTensors on an earlier rank's mesh, whose coordinate is the earlier rank's. A real job has one
-    rank per process, where that mesh is always its own."""
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-
-
 @contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """Run the body as ``rank`` of ``world_size`` on the fake backend; the group is destroyed after,
     also when the body raises, so later tests (and forked gloo ranks) start without one, and no
-    DTensor layout cached in the body reaches a later rank (`_forget_sharding_cache`)."""
+    DTensor layout cached in the body reaches a later rank (`helpers.dist.forget_dtensor_layouts`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    _forget_sharding_cache()
+    forget_dtensor_layouts()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        _forget_sharding_cache()
+        forget_dtensor_layouts()
 
 
 def local_numel(param: torch.Tensor) -> int:

@@ -24,6 +24,7 @@ import pytest
 import torch
 from helpers.dist import run_distributed
 from helpers.live_bytes import LiveBytes, held_bytes
+from scale.formula import local_parameters
 from strategies.toy import quiet_trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MaxMetric, MeanMetric, SumMetric
@@ -31,6 +32,7 @@ from torchmetrics import MaxMetric, MeanMetric, SumMetric
 from lightning_moe import MoEConfig
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models import MoETransformer, MoETransformerConfig
+from lightning_moe.parallel import ParallelDims
 from lightning_moe.strategies import MoEStrategy
 
 pytestmark = pytest.mark.distributed
@@ -84,6 +86,7 @@ class SetupMemory(L.Callback):
     def on_fit_start(self, trainer, pl_module):
         self.counter.__exit__(None, None, None)
         self.peak, self.live, self.held = self.counter.peak, self.counter.live, held_bytes(pl_module)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         self.initial = {k.removeprefix("model."): v for k, v in _full_state(pl_module).items() if k.startswith("model.")}
 
     def on_exception(self, trainer, pl_module, exception):
@@ -99,7 +102,8 @@ def _fit_setup() -> dict:
         devices=WORLD, strategy=MoEStrategy(expert_parallel_size=2), max_steps=1, callbacks=[memory],
     ))
     trainer.fit(module, _data())
-    return {"peak": memory.peak, "live": memory.live, "held": memory.held, "initial": memory.initial}
+    return {"peak": memory.peak, "live": memory.live, "held": memory.held, "initial": memory.initial,
+            "param_bytes": memory.param_bytes}
 
 
 class MetricLM(L.LightningModule):
@@ -171,8 +175,10 @@ def test_setup_allocates_the_shard_and_at_most_one_tensor_beside_it(ranks):
     moe = _config().moe
     all_experts = FP32 * 3 * moe.num_experts * 3 * moe.ffn_hidden_size * moe.hidden_size  # 3 MoE layers
     assert draw < all_experts / WORLD  # the check tells a rank holding every expert from one holding its half
+    shard = FP32 * local_parameters(_config(), ParallelDims(WORLD, ep=2))  # the oracle: the layout's arithmetic
     for rank, result in enumerate(ranks):
         peak, live, held = result["fit"]["peak"], result["fit"]["live"], result["fit"]["held"]
+        assert result["fit"]["param_bytes"] == shard, (rank, result["fit"]["param_bytes"], shard)
         assert held <= live < held + draw, (rank, live, held)  # what stays is the module's shard (and a few scalars)
         assert peak <= live + draw, (
             f"rank {rank}: setup peak {peak} bytes is the {live} bytes that stay plus {peak - live}; at most the "
