@@ -134,16 +134,20 @@ class ExpertGradWorkspace:
     def __setstate__(self, state: dict) -> None:
         self.__init__()
 
-    def place(self, name: str, memory: Tensor) -> None:
+    def place(self, name: str, memory: Tensor | None) -> None:
         """From the next backward on, hand out ``memory`` for ``name``'s gradient instead of memory of
-        its own (which is then freed).
+        its own (which is then freed); None lets go of memory placed before (the workspace then
+        allocates its own again).
 
         For a gradient-sync bucket's slot of this weight (its local shape, dtype and device): the
         kernel then writes the weight gradient straight into the bucket, so it is neither copied
         there nor kept twice, as Megatron's weight-gradient kernels write into its grad buffer. The
         rules above still decide when the memory may be handed out.
         """
-        self._storage[name] = memory
+        if memory is None:
+            self._storage.pop(name, None)
+        else:
+            self._storage[name] = memory
 
     def gradient_for(self, name: str, param: Tensor, dtype: torch.dtype) -> Tensor:
         """An uninitialised tensor shaped like the leaf ``param`` for its gradient."""

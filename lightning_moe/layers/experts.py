@@ -218,8 +218,9 @@ class GroupedExperts(nn.Module):
         self.register_state_dict_post_hook(present_checkpoint_layout)
         self.register_load_state_dict_pre_hook(accept_checkpoint_layout)
 
-    def place_weight_grad(self, param: Tensor, memory: Tensor) -> bool:
-        """Have the expert kernel write ``param``'s gradient into ``memory`` from the next backward on.
+    def place_weight_grad(self, param: Tensor, memory: Tensor | None) -> bool:
+        """Have the expert kernel write ``param``'s gradient into ``memory`` from the next backward on
+        (None: into memory of its own again, letting go of the placed one).
 
         ``param`` is ``fc1_weight`` or ``fc2_weight`` and ``memory`` a tensor of its local shape,
         dtype and device (a gradient bucket's slot: :class:`~lightning_moe.layers.expert_kernels.ExpertGradWorkspace`
@@ -230,7 +231,8 @@ class GroupedExperts(nn.Module):
             return False
         for name in ("fc1", "fc2"):
             weight = getattr(self, f"{name}_weight")
-            if weight is param and memory.shape == weight.shape and memory.dtype == weight.dtype:
+            fits = memory is None or (memory.shape == weight.shape and memory.dtype == weight.dtype)
+            if weight is param and fits:
                 self.grad_workspace.place(name, memory)
                 return True
         return False

@@ -29,8 +29,9 @@ kernels), more memory traffic for the same result. Expert weights under the per-
 (CPU, fp32, GPUs before Hopper) skip that copy: the kernel writes the gradient straight into the
 slot (``GroupedExperts.place_weight_grad``, once the buckets exist), which is also the memory it
 reuses from step to step; ``grouped_mm``'s gradients come from autograd and are copied like the
-dense ones. Nothing else is allocated or copied per step (the vocab-parallel embedding's gradient
-arrives as this rank's rows, like the other sharded ones).
+dense ones. Nothing else is allocated or copied per step in fp32 (the vocab-parallel embedding's
+gradient arrives as this rank's rows, like the other sharded ones); narrower gradients add the
+fp32 staging copies described next.
 
 Parameters narrower than fp32 (``bf16-true``, ``16-true``) are reduced in fp32 by default, as
 Megatron's ``grad_reduce_in_fp32``: at its launch a bucket is copied to fp32, pre-scaled and summed
@@ -214,6 +215,7 @@ class GradSync:
         self.buckets = self._make_buckets(module, int(bucket_size_mb * 2**20))
         self._bucket_of = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         # Modules whose kernels can write a weight's gradient straight into its slot (GroupedExperts).
+        self._placed: list[tuple[nn.Module, Tensor]] = []
         self._grad_writers = {
             id(p): m for m in module.modules() if callable(getattr(m, "place_weight_grad", None))
             for p in m.parameters(recurse=False)
@@ -279,8 +281,8 @@ class GradSync:
         ]
         for p, slot in zip(bucket.params, bucket.slots):
             writer = self._grad_writers.get(id(p))
-            if writer is not None and not isinstance(p, DTensor):
-                writer.place_weight_grad(p, slot)  # from the next step on: no copy, no second copy kept
+            if writer is not None and not isinstance(p, DTensor) and writer.place_weight_grad(p, slot):
+                self._placed.append((writer, p))  # from the next step on: no copy, no second copy kept
 
     def _wrap(self, param: Tensor, slot: Tensor, placements: tuple | None) -> Tensor:
         """``slot`` as ``param``'s gradient: itself, or a DTensor with ``placements`` around it."""
@@ -405,7 +407,10 @@ class GradSync:
         self._pending = False
 
     def remove_hooks(self) -> None:
-        """Detach from the module's parameters."""
+        """Detach from the module's parameters (and let the expert kernels go of the bucket slots)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for writer, param in self._placed:
+            writer.place_weight_grad(param, None)
+        self._placed.clear()

@@ -80,14 +80,20 @@ def write_sharded(weight: Tensor, values: Tensor, index: int | None = None) -> N
     block = local_block(weight)
     if block is None:
         if index is not None:
-            raise ValueError(f"write_sharded(index=...) needs a shard that is one block, got placements {weight.placements}")
+            raise ValueError(
+                f"write_sharded(index=...) needs a shard that is one block, got placements {weight.placements}; "
+                "write the whole tensor instead (index=None) for such a layout"
+            )
         # Not one block: DTensor cuts the shard itself (a copy of ``values`` on the device, for this tensor only).
         weight.copy_(distribute_tensor(values.to(weight.device), weight.device_mesh, weight.placements, src_data_rank=None))
         return
     local = weight.to_local()
     if index is not None:
         if block[0] != (0, weight.shape[0]):
-            raise ValueError(f"write_sharded(index=...) needs dimension 0 unsharded, got placements {weight.placements}")
+            raise ValueError(
+                f"write_sharded(index=...) needs dimension 0 unsharded, got placements {weight.placements}; "
+                "write the whole tensor instead (index=None) when dimension 0 is sharded"
+            )
         local, block = local[index], block[1:]
     for dim, (start, length) in enumerate(block):
         values = values.narrow(dim, start, length)

@@ -155,6 +155,9 @@ def _gradient_path(rank: int, world: int) -> list[tuple[int, list[str], int]]:
     places = [(name, any(a <= t.data_ptr() < b for a, b in buffers))
               for m in experts for name, t in [("grad", m.fc1_weight.grad), ("grad", m.fc2_weight.grad),
                                                *m.grad_workspace._storage.items()]]
+    sync.remove_hooks()  # a GradSync let go of: the kernels no longer write into (or keep) its buckets
+    places += [("after remove_hooks", not any(a <= t.data_ptr() < b for a, b in buffers))
+               for m in experts for t in m.grad_workspace._storage.values()]
     return steps[1:], places  # the first step allocates the buckets
 
 

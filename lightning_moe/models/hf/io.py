@@ -238,7 +238,10 @@ def _header(keys: list[str], specs: Mapping[str, TensorSpec]) -> bytes:
     for key in keys:
         shape, dtype = specs[key]
         if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"{key}: safetensors cannot store {dtype}.")
+            raise ValueError(
+                f"{key}: safetensors cannot store {dtype}; it stores {', '.join(str(d) for d in _DTYPE_NAMES)}: "
+                "cast the tensor to one of them first."
+            )
         header[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + _nbytes(specs[key])]}
         offset += _nbytes(specs[key])
     text = json.dumps(header, separators=(",", ":")).encode()
