@@ -105,9 +105,11 @@ class MoESubprocessLauncher(_SubprocessScriptLauncher):
         if self.cluster_environment.creates_processes_externally:
             _set_num_threads_if_needed(num_processes=self.num_processes)
             return function(*args, **kwargs)
+        # Before the children start, so that they inherit OMP_NUM_THREADS: each rank gets its share of
+        # the cores (a rank with every core's thread oversubscribes them N times over).
+        _set_num_threads_if_needed(num_processes=self.num_processes)
         self._call_children_scripts()
         threading.Thread(target=self._watch, daemon=True, name="lightning_moe-rank-watcher").start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as err:

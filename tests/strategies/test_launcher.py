@@ -89,3 +89,45 @@ def test_a_failed_job_ends_every_rank_and_names_the_first_failure(tmp_path: Path
             pid = int(pid_file.read_text())
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+THREADS_SCRIPT = '''
+import os, sys
+rank, out = int(os.environ.get("LOCAL_RANK", "0")), sys.argv[1]
+if rank > 0:  # what the rank's torch reads when it starts: its intra-op thread count
+    with open(os.path.join(out, f"{rank}.txt"), "w") as f:
+        f.write(os.environ.get("OMP_NUM_THREADS", "unset"))
+    sys.exit(0)
+
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning_moe.strategies import MoEStrategy
+
+strategy = MoEStrategy(parallel_devices=[torch.device("cpu")] * 3, cluster_environment=LightningEnvironment())
+strategy._configure_launcher()
+
+def rank_zero():
+    with open(os.path.join(out, "0.txt"), "w") as f:
+        f.write(str(torch.get_num_threads()))
+
+strategy.launcher.launch(rank_zero)
+'''
+
+
+def test_every_rank_gets_its_share_of_the_cores(tmp_path: Path):
+    """Ranks on one machine split its cores: a rank running as many threads as there are cores
+    oversubscribes them N times, and OpenMP regions then wait for descheduled threads (a CPU fit of
+    4 ranks on 2 cores ran 3x slower). Oracle: Lightning's own rule, cores // ranks, at least 1."""
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+
+    script, out = tmp_path / "job.py", tmp_path / "threads"
+    script.write_text(THREADS_SCRIPT)
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "OMP_NUM_THREADS")}
+    job = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True, timeout=90)
+    assert job.returncode == 0, job.stderr[-3000:]
+    deadline = time.monotonic() + 10
+    while len(list(out.glob("*.txt"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    want = str(_suggested_max_num_threads(3))
+    assert {int(p.stem): p.read_text() for p in out.glob("*.txt")} == {0: want, 1: want, 2: want}
