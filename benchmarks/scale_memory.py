@@ -59,14 +59,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # scale harness
 
-from helpers.live_bytes import LiveBytes
 from models.test_presets import load_preset
 from scale.fake_step import FakeRun, run_fake_steps
-from scale.fake_world import fake_rank, sharded_preset
+from scale.fake_world import sharded_preset
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims
+from lightning_moe.planning.fake_world import fake_rank
+from lightning_moe.planning.live_bytes import LiveBytes
 from lightning_moe.strategies.model_setup import materialize
 
 GIB = 2**30

@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from lightning_moe.planning.fake_world import forget_dtensor_layouts
 
 __all__ = ["DistributedTestError", "forget_dtensor_layouts", "run_distributed"]
 
@@ -52,20 +53,6 @@ __all__ = ["DistributedTestError", "forget_dtensor_layouts", "run_distributed"]
 _PEER_GRACE_AFTER_FAILURE_S = 5.0
 # How long a rank gets to exit after SIGTERM before SIGKILL.
 _TERMINATE_GRACE_S = 1.0
-
-
-def forget_dtensor_layouts() -> None:
-    """Empty DTensor's caches of op output layouts (its C++ fast path's and the Python ones).
-
-    They key on meshes that compare equal across worlds of one shape (ranks and names, not the
-    process's own rank) and hand back the cached layout's mesh: a fake rank played after another in
-    one process, or a rank forked from a process that played one, would get DTensors on the
-    earlier rank's mesh, whose coordinate is that rank's. A real job has one rank per process,
-    where that mesh is always its own."""
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
 
 
 class DistributedTestError(AssertionError):

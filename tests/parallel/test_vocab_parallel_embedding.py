@@ -16,7 +16,6 @@ import pytest
 import torch
 from helpers.dist import run_distributed
 from helpers.recorders import LargestTensor
-from scale.fake_world import fake_rank
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -27,6 +26,7 @@ from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_moe.parallel.vocab_parallel_embedding import VocabParallelEmbedding
+from lightning_moe.planning.fake_world import fake_rank
 
 VOCAB, HIDDEN, BATCH, SEQ, TP = 64, 4, 2, 8, 2  # VOCAB and SEQ divisible by TP; BATCH * SEQ < VOCAB / TP
 PAD = 40  # a padding row in the second rank's half of the vocabulary

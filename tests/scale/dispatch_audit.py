@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_moe.planning.step_probe import COLLECTIVE_NAMESPACES
+
 __all__ = ["COLLECTIVE_NAMESPACES", "DispatchAudit", "storage_key"]
 
-COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
-"""Op namespaces of process-group communication (eager ``dist.*`` calls and functional collectives)."""
 
 
 def storage_key(tensor: torch.Tensor) -> int:

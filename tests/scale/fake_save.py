@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.checkpoint as dcp
-from scale.step_probe import StepProbe, StepRecord
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -25,6 +24,7 @@ from torch.futures import Future
 from lightning_moe.parallel.checkpoint import optimizer_state_dict
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
+from lightning_moe.planning.step_probe import StepProbe, StepRecord
 
 __all__ = ["ResolvingWriter", "measure_checkpoint_save"]
 

@@ -11,7 +11,7 @@ micro-batch); then the batch verification, the finite-gradient guard (global gra
 ``AdamW.step`` under :func:`~lightning_moe.parallel.allow_mixed_tensors` and ``zero_grad()``.
 NO_SHARD data parallelism, the ``alltoall`` dispatcher, dropless, forced-balanced routing.
 
-The model takes the path it takes on an H100/H200 (`_take_the_gpu_path`): ``grouped_mm`` experts
+The model takes the path it takes on an H100/H200 (`lightning_moe.planning.gpu_path.take_the_gpu_path`): ``grouped_mm`` experts
 that save their activation, and flash attention's memory; ``AdamW`` runs ``fused``, what
 ``MoELanguageModel`` asks for on CUDA. Where this differs from a GPU run:
 
@@ -31,23 +31,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 from unittest import mock
 
 import torch
 from scale.fake_save import measure_checkpoint_save
-from scale.fake_world import Sharded, fake_rank, sharded_preset
-from scale.step_probe import StepProbe, StepRecord
+from scale.fake_world import Sharded, sharded_preset
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from lightning_moe.layers import expert_kernels
-from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.lit.module import adamw_kernel_options
-from lightning_moe.models import CoreAttention, MoETransformerConfig
+from lightning_moe.models import MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, allow_mixed_tensors
 from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.planning.fake_world import fake_rank
+from lightning_moe.planning.gpu_path import take_the_gpu_path
+from lightning_moe.planning.step_probe import StepProbe, StepRecord
 from lightning_moe.strategies.model_setup import materialize
 from lightning_moe.strategies.step_safeguards import StepSafeguards
 
@@ -101,7 +101,7 @@ def run_fake_steps(
         model, ctx = sharded.model, sharded.ctx
         tracker = ModTracker()
         probe = StepProbe((answers or default_answers)(config, local_tokens), tracker)
-        _take_the_gpu_path(model)
+        take_the_gpu_path(model)
         with FakeTensorMode(allow_non_fake_inputs=True):
             materialize(model, torch.device("cpu"))
             # One bucket per reduce group: one all-reduce each, whatever the bucket cap would cut.
@@ -150,44 +150,6 @@ def default_answers(config: MoETransformerConfig, local_tokens: int) -> dict[str
         "batch_agreement.py:_raise_if_disagree": False,  # the TP ranks hold the same batch
         "optimizer_step.py:check": True,  # the global gradient norm is finite
     }
-
-
-class _FlashAttentionStandIn(torch.autograd.Function):
-    """Causal attention with flash attention's memory: saves q, k, v, the output and the fp32
-    log-sum-exp (``[B, heads, S]``), nothing of size ``S x S``. Values are not computed (fake)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _flash_attention(module: CoreAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # CUDA autocast runs attention in bf16 (CPU autocast leaves SDPA in fp32).
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
-    return _FlashAttentionStandIn.apply(q.to(dtype), k.to(dtype), v.to(dtype))
-
-
-def _take_the_gpu_path(model: torch.nn.Module) -> None:
-    """Make the CPU-fake model allocate as it does on an H100/H200 under bf16-mixed.
-
-    * the experts: ``kernel="auto"`` picks ``grouped_mm`` there and saves the activation (on the
-      CPU it picks the loop kernel, recomputes the activation and keeps a gradient workspace);
-    * attention: a flash kernel, O(S) memory (the CPU's math SDPA, taken for MLA's unequal head
-      widths and for GQA, materialises ``[B, heads, S, S]`` probabilities).
-    """
-    for module in model.modules():
-        if isinstance(module, GroupedExperts):
-            module.kernel, module.recompute_activation = "grouped_mm", False
-        elif isinstance(module, CoreAttention):
-            module.forward = partial(_flash_attention, module)
 
 
 def _bf16_mixed() -> torch.autocast:

@@ -12,38 +12,17 @@ communicator memory, allocator fragmentation).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from helpers.dist import forget_dtensor_layouts
 from models.test_presets import load_preset
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, parallelize
 
-__all__ = ["Sharded", "fake_rank", "local_numel", "sharded_preset"]
-
-
-@contextmanager
-def fake_rank(rank: int, world_size: int) -> Iterator[None]:
-    """Run the body as ``rank`` of ``world_size`` on the fake backend; the group is destroyed after,
-    also when the body raises, so later tests (and forked gloo ranks) start without one, and no
-    DTensor layout cached in the body reaches a later rank (`helpers.dist.forget_dtensor_layouts`)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    forget_dtensor_layouts()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        forget_dtensor_layouts()
+__all__ = ["Sharded", "local_numel", "sharded_preset"]
 
 
 def local_numel(param: torch.Tensor) -> int:

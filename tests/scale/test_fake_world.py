@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from scale.fake_world import fake_rank
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+
+from lightning_moe.planning.fake_world import fake_rank
 
 
 def test_fake_rank_plays_the_rank_and_tears_down_even_on_failure():

@@ -18,12 +18,13 @@ from dataclasses import replace
 
 import torch
 from parallel.test_fully_shard_root import config
-from scale.fake_world import fake_rank, sharded_preset
+from scale.fake_world import sharded_preset
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.pipeline import PipelineRunner
+from lightning_moe.planning.fake_world import fake_rank
 from lightning_moe.strategies.model_setup import shard_split_model
 
 DIMS = ParallelDims(world_size=64, tp=8, ep=8, etp=1)

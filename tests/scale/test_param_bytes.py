@@ -14,12 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 from models.test_presets import EXACT
-from scale.fake_world import fake_rank, local_numel, sharded_preset
+from scale.fake_world import local_numel, sharded_preset
 from scale.formula import global_parameters, local_parameters, training_state_bytes
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_moe.parallel import ParallelDims
 from lightning_moe.parallel.pipeline import PipelineRunner
+from lightning_moe.planning.fake_world import fake_rank
 
 # (preset, layout): what a user would pick for each model at its scale.
 LAYOUTS = [

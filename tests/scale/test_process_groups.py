@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch.distributed as dist
-from scale.fake_world import fake_rank
 
 from lightning_moe.parallel import ParallelDims, build_parallel_context
 from lightning_moe.parallel.context import CRITICAL_PATH_GROUPS
 from lightning_moe.parallel.dims import GROUP_NAMES
+from lightning_moe.planning.fake_world import fake_rank
 
 # Mixtral 8x7B and Qwen3-30B-A3B layouts of test_param_bytes.py.
 LAYOUTS = [ParallelDims(world_size=64, tp=8, ep=8, etp=1), ParallelDims(world_size=128, tp=4, ep=32, etp=1)]

@@ -23,9 +23,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers.live_bytes import LiveBytes, held_bytes
 from models.test_presets import load_preset
-from scale.fake_world import fake_rank
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -36,6 +34,8 @@ from lightning_moe.layers.activations import is_gated
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.sharded_init import local_block, write_sharded
+from lightning_moe.planning.fake_world import fake_rank
+from lightning_moe.planning.live_bytes import LiveBytes, held_bytes
 from lightning_moe.strategies.model_setup import materialize
 
 FP32 = 4  # initial values are drawn in fp32 whatever the parameters' dtype

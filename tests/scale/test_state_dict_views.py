@@ -14,13 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 from scale.dispatch_audit import DispatchAudit, storage_key
-from scale.fake_world import fake_rank, sharded_preset
+from scale.fake_world import sharded_preset
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel import ParallelDims
 from lightning_moe.parallel.checkpoint import optimizer_state_dict
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
+from lightning_moe.planning.fake_world import fake_rank
 
 NAME = "mixtral_8x7b"
 ETP1 = ParallelDims(world_size=64, tp=8, ep=8, etp=1)

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from scale.fake_world import fake_rank
-from scale.step_probe import StepProbe
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from lightning_moe import MoEConfig
 from lightning_moe.layers.dispatch import local_expert_counts
+from lightning_moe.planning.fake_world import fake_rank
+from lightning_moe.planning.step_probe import StepProbe
 
 
 def test_probe_records_collectives_reads_and_bytes():

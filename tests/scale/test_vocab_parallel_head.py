@@ -19,10 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.recorders import LargestTensor
-from scale.fake_world import fake_rank, sharded_preset
+from scale.fake_world import sharded_preset
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe.parallel import ParallelDims
+from lightning_moe.planning.fake_world import fake_rank
 
 SEQ = 8192  # the sequence length of the figure
 

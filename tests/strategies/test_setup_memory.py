@@ -23,7 +23,6 @@ import lightning as L
 import pytest
 import torch
 from helpers.dist import run_distributed
-from helpers.live_bytes import LiveBytes, held_bytes
 from scale.formula import local_parameters
 from strategies.toy import quiet_trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
@@ -33,6 +32,7 @@ from lightning_moe import MoEConfig
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims
+from lightning_moe.planning.live_bytes import LiveBytes, held_bytes
 from lightning_moe.strategies import MoEStrategy
 
 pytestmark = pytest.mark.distributed

@@ -1,8 +1,9 @@
 """`StepProbe`: the collectives, host reads and live bytes of everything run inside it.
 
-A ``TorchDispatchMode`` above ``FakeTensorMode`` (`scale.fake_step` runs a training step under it):
+A ``TorchDispatchMode`` above ``FakeTensorMode`` (the planner, `lightning_moe.planning`, and the scale
+tests run a training step under it):
 
-* collectives: every op of `scale.dispatch_audit.COLLECTIVE_NAMESPACES` (``c10d``, functional
+* collectives: every op of `COLLECTIVE_NAMESPACES` (``c10d``, functional
   collectives, DTensor's own), classified by kind, with the members of its group, whether
   it ran in forward or backward and the model part it ran in (``ModTracker``), and the product
   file that issued it (``grad_sync.py``, ``grad_norm.py``, ...). DTensor ops are let through first
@@ -18,7 +19,7 @@ A ``TorchDispatchMode`` above ``FakeTensorMode`` (`scale.fake_step` runs a train
   and reads of real tensors (made outside ``FakeTensorMode``) are counted apart: they are no
   device synchronisation;
 * bytes: the live bytes of every storage, from the tensors `StepProbe.adopt` is given to
-  everything ops create, and their peak per phase. The probe is a `helpers.live_bytes.LiveBytes`
+  everything ops create, and their peak per phase. The probe is a `lightning_moe.planning.live_bytes.LiveBytes`
   (the counter of the setup tests), so setup, step and save are counted alike; a meta tensor
   allocates nothing. DTensor's shape propagation (it runs each new op once on global-shape fake
   tensors, which pass through this mode under an outer ``FakeTensorMode``) is not counted: a real
@@ -42,8 +43,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from helpers.live_bytes import LiveBytes
-from scale.dispatch_audit import COLLECTIVE_NAMESPACES
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
@@ -51,10 +50,16 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_flatten
 
 import lightning_moe
+from lightning_moe.planning.live_bytes import LiveBytes
 
-__all__ = ["Collective", "HostRead", "StepProbe", "StepRecord"]
+__all__ = ["COLLECTIVE_NAMESPACES", "Collective", "HostRead", "StepProbe", "StepRecord"]
+
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtensor")
+"""Op namespaces of process-group communication (eager ``dist.*`` calls and functional collectives)."""
 
 _PACKAGE = os.path.dirname(os.path.abspath(lightning_moe.__file__)) + os.sep
+# The planner drives a training step from here: its frames are not the product's reading sites.
+_PLANNING = os.path.join(_PACKAGE, "planning") + os.sep
 _OPTIM = os.sep + os.path.join("torch", "optim") + os.sep
 
 # Collective ops by kind (in-place c10d ops of torch.distributed, and the functional ops DTensor uses).
@@ -142,7 +147,7 @@ def _site(frame, stop_at_optim: bool = False) -> tuple[str, bool]:
     """(``file.py:function`` of the innermost product frame, whether a ``torch.optim`` frame came first)."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(_PACKAGE):
+        if filename.startswith(_PACKAGE) and not filename.startswith(_PLANNING):
             return f"{os.path.basename(filename)}:{frame.f_code.co_name}", False
         if stop_at_optim and _OPTIM in filename:
             return f"{os.path.basename(filename)}:{frame.f_code.co_name}", True
@@ -246,7 +251,7 @@ class StepProbe(LiveBytes):
         if name in _KIND_OF:
             self._record_collective(_KIND_OF[name], func, args, kwargs)
         elif func.namespace in COLLECTIVE_NAMESPACES and name not in _IGNORED:
-            raise AssertionError(f"collective {name} is not classified in scale.step_probe._KINDS")
+            raise AssertionError(f"collective {name} is not classified in lightning_moe.planning.step_probe._KINDS")
         out = func(*args, **kwargs)
         if not self._propagating:
             for tensor in tree_flatten(out)[0]:
