@@ -1,0 +1,331 @@
+"""The memory one rank holds during a real training step: `StepMemoryMeter`, and `measure_fit`,
+which runs a ``lightning-moe fit`` configuration on forked gloo ranks with the meter.
+
+What is measured, for the optimizer step whose index is ``measure_step`` (default 1: the second
+step, so AdamW's moments exist), in bytes of distinct tensor storages on this rank (a DTensor:
+its local tensor; a view counts its whole storage, once):
+
+* ``params_bytes``: the storages behind the module's parameters (FSDP2's sharded parameters are
+  DTensors too: their local shards, padding included);
+* ``grads_bytes``: the storages behind the parameters' ``.grad``, read in
+  ``on_before_optimizer_step`` of that step (gradients reduced, before the update). Under
+  ``GradSync`` every gradient is a view of its bucket: the whole bucket counts, including the one
+  flag element per parameter that follows the gradient slots;
+* ``optimizer_bytes``: the storages of every tensor in ``optimizer.state`` after that step
+  (AdamW: ``exp_avg``, ``exp_avg_sq``, and ``step``, a scalar tensor of its own per parameter);
+* ``peak_bytes``: the largest live bytes from ``on_train_batch_start`` of the step's first
+  micro-batch to ``on_train_batch_end`` of its last (a pipeline schedule runs inside one
+  ``training_step``). The counter starts at what the rank holds: the storages of the parameters,
+  their gradients, the gradient-sync buckets, the optimizer states, the module's buffers, the
+  batch, and the tensors the pipeline schedules keep (receive buffers); it then adds every
+  storage an op creates until it is freed (`helpers.live_bytes.LiveBytes`);
+* ``activation_bytes`` := ``peak_bytes - params_bytes - grads_bytes - optimizer_bytes``:
+  everything else live at the peak (activations, temporaries, buffers, the batch). A planner that
+  predicts these five numbers must use the same definition.
+
+Counting details: DTensor ops are let through to DTensor (the counter returns ``NotImplemented``
+for them, as torch's ``CommDebugMode`` does), so the local ops a DTensor op runs, and the
+temporaries of its redistributions, are counted as they are made. FSDP2 allocates and frees its
+unsharded parameters by resizing storages (``alloc_storage``/``free_storage``, no op the dispatcher
+sees): while the counter is active those two functions are wrapped to add and remove the bytes.
+
+What it cannot see: memory an op uses inside and frees before returning (kernel workspaces),
+storages made on other threads without an op (a collective's internal buffers), allocator
+caching and fragmentation, and tensors the loop keeps that none of the holders above reaches
+(a prefetched next batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import tempfile
+import types
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from helpers.dist import run_distributed
+from helpers.live_bytes import LiveBytes
+from helpers.memory import storage_bytes, tensors_in
+from lightning_moe.callbacks import ActivationOffload, CUDAGraphCapture, SelectiveRecompute
+
+__all__ = ["MEASURED_KEYS", "MEMORY_CALLBACKS", "StepMemoryMeter", "measure_fit"]
+
+MEASURED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes", "activation_bytes")
+"""The keys of `StepMemoryMeter.measured`."""
+
+MEMORY_CALLBACKS = (SelectiveRecompute, ActivationOffload, CUDAGraphCapture)
+"""Callbacks of a configuration that `measure_fit` keeps: they change what a step holds."""
+
+# Objects whose tensors are counted through other holders, or that lead to data the step does not
+# hold on its device (the datamodule's token arrays): the walk for kept tensors stops there.
+_WALK_STOPS = (nn.Module, L.Trainer, L.LightningDataModule, torch.utils.data.DataLoader, type, types.ModuleType,
+               types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+_WALK_LIMIT = 200_000  # objects visited at most per root (a pipeline schedule holds a few thousand)
+
+
+class _StepLiveBytes(LiveBytes):
+    """`LiveBytes` that lets DTensor ops through and follows storage resizes (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sizes: dict[int, int] = {}  # storage key -> bytes counted for it now
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs its local ops (and redistributions) through this mode
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _count(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, FakeTensor):
+            return  # DTensor's shape propagation: nothing is allocated
+        if not is_traceable_wrapper_subclass(tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            with self._lock:
+                self._sizes.setdefault(storage._cdata, storage.nbytes())
+        super()._count(tensor)
+
+    def _release(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            if key in self._alive:
+                self._alive.discard(key)
+                self.live -= self._sizes.pop(key, nbytes)
+
+    def resized(self, tensor: torch.Tensor, before: int) -> None:
+        """``tensor``'s storage was resized from ``before`` bytes to its size now."""
+        storage = tensor.untyped_storage()
+        key, after = storage._cdata, storage.nbytes()
+        with self._lock:
+            known = key in self._alive
+            if known:
+                self.live += after - self._sizes.get(key, before)
+                self._sizes[key] = after
+                self.peak = max(self.peak, self.live)
+        if not known and after:
+            self._count(tensor)  # first seen now, at its new size
+
+
+@contextlib.contextmanager
+def _fsdp_resizes(counter: _StepLiveBytes) -> Iterator[None]:
+    """Wrap FSDP2's ``alloc_storage``/``free_storage`` (where they are looked up) to tell ``counter``."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    def wrap(original):
+        def resize(tensor: torch.Tensor) -> None:
+            before = tensor.untyped_storage().nbytes()
+            original(tensor)
+            counter.resized(tensor, before)
+        return resize
+
+    patched = [(module, name, getattr(module, name)) for module in (_fsdp_param, _fsdp_param_group)
+               for name in ("alloc_storage", "free_storage") if hasattr(module, name)]
+    for module, name, original in patched:
+        setattr(module, name, wrap(original))
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _real(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for t in tensors if t.device.type != "meta" and not isinstance(t, FakeTensor)]
+
+
+def _state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """Every tensor of the optimizers' per-parameter states (local tensors)."""
+    return [_local(v) for opt in optimizers for state in opt.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _kept_tensors(root: Any) -> list[torch.Tensor]:
+    """Tensors reachable from ``root`` through containers and plain objects (not through modules,
+    the Trainer, data or code: `_WALK_STOPS`)."""
+    found, seen, todo = [], {id(root)}, [root]
+    while todo and len(seen) < _WALK_LIMIT:
+        obj = todo.pop()
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            continue
+        if isinstance(obj, _WALK_STOPS):
+            continue
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen and not isinstance(ref, (str, bytes, int, float)):
+                seen.add(id(ref))
+                todo.append(ref)
+    return found
+
+
+class StepMemoryMeter(L.Callback):
+    """Measures what this rank holds during optimizer step ``measure_step`` of ``Trainer.fit``
+    (module docstring: the five numbers and their definitions, ``activation_bytes`` included).
+
+    After the step, `measured` holds ``params_bytes``, ``grads_bytes``, ``optimizer_bytes``,
+    ``peak_bytes`` and ``activation_bytes`` (ints); until then it is None. The fit must run at
+    least ``measure_step + 1`` optimizer steps.
+    """
+
+    def __init__(self, measure_step: int = 1) -> None:
+        if measure_step < 0:
+            raise ValueError(f"measure_step={measure_step}: the index of an optimizer step is 0 or more.")
+        self.measure_step = measure_step
+        self.measured: dict[str, int] | None = None
+        self._counter: _StepLiveBytes | None = None
+        self._resizes: contextlib.ExitStack | None = None
+        self._grads_bytes = 0
+
+    def _held(self, trainer, pl_module, batch) -> list[torch.Tensor]:
+        strategy = trainer.strategy
+        params = list(pl_module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        kept = [*_kept_tensors(getattr(strategy, "_grad_sync", None)), *_kept_tensors(getattr(strategy, "_pipeline", None))]
+        return _real([*params, *grads, *pl_module.buffers(), *_state_tensors(trainer.optimizers),
+                      *tensors_in(batch), *kept])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Start counting at the first micro-batch of the measured step."""
+        if self._counter is not None or self.measured is not None or trainer.global_step != self.measure_step:
+            return
+        counter = _StepLiveBytes()
+        for tensor in self._held(trainer, pl_module, batch):
+            counter._count(tensor)
+        self._resizes = contextlib.ExitStack()
+        self._resizes.enter_context(_fsdp_resizes(counter))
+        counter.__enter__()
+        self._counter = counter
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        """Read the gradients' storages: reduced, not yet applied."""
+        if self._counter is None:
+            return
+        grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
+        self._grads_bytes = max(self._grads_bytes, storage_bytes(_real(grads)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Stop after the measured step's last micro-batch (the optimizer has stepped)."""
+        if self._counter is None or trainer.global_step != self.measure_step + 1:
+            return
+        peak = self._stop()
+        params = storage_bytes(_real(_local(p) for p in pl_module.parameters()))
+        optimizer = storage_bytes(_real(_state_tensors(trainer.optimizers)))
+        self.measured = {
+            "params_bytes": params, "grads_bytes": self._grads_bytes, "optimizer_bytes": optimizer, "peak_bytes": peak,
+            "activation_bytes": peak - params - self._grads_bytes - optimizer,
+        }
+
+    def _stop(self) -> int:
+        counter, self._counter = self._counter, None
+        assert counter is not None and self._resizes is not None
+        counter.__exit__(None, None, None)
+        self._resizes.close()
+        self._resizes = None
+        return counter.peak
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        """Leave the dispatch mode and FSDP2's functions as they were."""
+        if self._counter is not None:
+            self._stop()
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        """A step that never ended (the fit stopped inside it) leaves nothing active; `measured` stays None."""
+        if self._counter is not None:
+            self._stop()
+
+
+def _keep_callback(spec: Any) -> bool:
+    """Whether a configured callback (a ``class_path`` spec, or an object) is one of `MEMORY_CALLBACKS`."""
+    if not hasattr(spec, "get"):
+        return isinstance(spec, MEMORY_CALLBACKS)
+    module_name, _, name = str(spec.get("class_path")).rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name, None)
+    return isinstance(cls, type) and issubclass(cls, MEMORY_CALLBACKS)
+
+
+def _measure_cli_class():
+    from lightning_moe.cli import MoECLI, check_config_before_launch, check_layout_before_launch
+
+    class MeasureCLI(MoECLI):
+        """`MoECLI` without subcommands whose configuration keeps only `MEMORY_CALLBACKS`."""
+
+        def before_instantiate_classes(self) -> None:
+            super().before_instantiate_classes()
+            callbacks = self.config.trainer.get("callbacks") or []
+            if not isinstance(callbacks, list):
+                callbacks = [callbacks]
+            self.config.trainer.callbacks = [c for c in callbacks if _keep_callback(c)]
+
+        def after_instantiate_classes(self) -> None:
+            # What `lightning-moe fit` checks before it launches (skipped by MoECLI without a subcommand).
+            check_layout_before_launch(self.model, self.trainer.strategy)
+            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, "fit")
+
+    return MeasureCLI
+
+
+def _measurement_overrides(measure_step: int, world_size: int, root: str) -> list[str]:
+    return [
+        f"--trainer.devices={world_size}", "--trainer.num_nodes=1", f"--trainer.max_steps={measure_step + 1}",
+        "--trainer.max_epochs=-1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={root}",
+    ]
+
+
+def _fit_rank(rank: int, world_size: int, args: list[str], measure_step: int, root: str) -> dict[str, int]:
+    from jsonargparse import set_parsing_settings
+
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    os.chdir(root)  # anything written relative to the working directory stays in the temporary folder
+    # The parser settings of lightning_moe.cli.cli_main.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True, instantiate_subclass_spec_in_any=False)
+    cli = _measure_cli_class()(
+        L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
+        args=[*args, *_measurement_overrides(measure_step, world_size, root)],
+    )
+    meter = StepMemoryMeter(measure_step)
+    cli.trainer.callbacks.append(meter)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    if meter.measured is None:
+        raise RuntimeError(
+            f"Rank {rank}: optimizer step {measure_step} was never completed (global_step={cli.trainer.global_step}); "
+            "the configuration's data may be shorter than measure_step + 1 optimizer steps."
+        )
+    return meter.measured
+
+
+def measure_fit(args: list[str], world_size: int, measure_step: int = 1, timeout_s: float = 600.0) -> list[dict[str, int]]:
+    """`StepMemoryMeter.measured` of every rank (rank order) for ``lightning-moe fit ARGS`` on
+    ``world_size`` forked gloo ranks (one intra-op thread each).
+
+    ``args`` as the CLI takes them after ``fit`` (a leading ``"fit"`` is dropped), e.g.
+    ``["--config", "examples/configs/tiny_cpu.yaml", "--trainer.strategy.init_args.pipeline_parallel_size=2"]``.
+    The run is shortened to a measurement: ``devices=world_size``, ``max_steps = measure_step + 1``,
+    no logger, checkpointing, progress bar, model summary, sanity or other validation; the
+    configuration's callbacks are dropped except `MEMORY_CALLBACKS`. Relative paths in ``args``
+    are resolved from the current directory.
+    """
+    args = list(args[1:] if args[:1] == ["fit"] else args)
+    args = [_absolute_config(a) for a in args]
+    with tempfile.TemporaryDirectory(prefix="measure_fit-") as root:
+        return run_distributed(_fit_rank, world_size, args, measure_step, root, timeout_s=timeout_s, tmp_dir=root)
+
+
+def _absolute_config(arg: str) -> str:
+    """``--config=PATH`` / a bare path after ``--config``: absolute, since the ranks change directory."""
+    if arg.startswith("--config="):
+        return "--config=" + os.path.abspath(arg.split("=", 1)[1])
+    return os.path.abspath(arg) if os.path.isfile(arg) and arg.endswith((".yaml", ".yml")) else arg
+
