@@ -103,6 +103,8 @@ class Collective:
     """Shape of its first tensor argument (the output buffer of the in-place ops)."""
     op: str = ""
     """The reduction of ``all_reduce`` and ``reduce_scatter``: ``sum``, ``max``, ``avg``, ...; ``""`` for the others."""
+    nbytes: int = 0
+    """Bytes of its first tensor argument."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +273,7 @@ class StepProbe(LiveBytes):
         self.record.collectives.append(Collective(
             kind, tuple(dist.get_process_group_ranks(group)), self.tracker.is_bw, self._module(),
             _site(sys._getframe(2))[0].split(":")[0], tuple(first.shape), _reduce_op(kind, flat),
+            first.numel() * first.element_size(),
         ))
 
     def _module(self) -> str | None:

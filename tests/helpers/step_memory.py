@@ -45,6 +45,7 @@ import tempfile
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import torch
@@ -54,11 +55,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from helpers.dist import run_distributed
-from helpers.live_bytes import LiveBytes
 from helpers.memory import storage_bytes, tensors_in
 from lightning_moe.callbacks import ActivationOffload, CUDAGraphCapture, SelectiveRecompute
+from lightning_moe.planning.live_bytes import LiveBytes
 
-__all__ = ["MEASURED_KEYS", "MEMORY_CALLBACKS", "StepMemoryMeter", "measure_fit"]
+__all__ = ["MEASURED_KEYS", "MEMORY_CALLBACKS", "StepMemoryMeter", "exactly_balanced_routing", "measure_fit"]
 
 MEASURED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes", "activation_bytes")
 """The keys of `StepMemoryMeter.measured`."""
@@ -245,6 +246,28 @@ class StepMemoryMeter(L.Callback):
             self._stop()
 
 
+@contextlib.contextmanager
+def exactly_balanced_routing(top_k: int) -> Iterator[None]:
+    """Routers configured with ``force_load_balancing`` route exactly balanced instead of randomly:
+    local token ``t`` goes to experts ``(t * top_k + j) % num_experts``, ``j < top_k`` (with a
+    straight-through gradient, as the random logits have), so every expert gets the same rows from
+    every rank whenever ``tokens * top_k`` is a multiple of ``num_experts``: the routing a planner
+    assumes at ``imbalance=1``."""
+    from lightning_moe.layers import router
+
+    def balanced(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        tokens, experts = logits.shape
+        index = torch.arange(tokens, device=logits.device)
+        offset = (index * top_k) % experts
+        # Expert (offset + j) % E scores -j: the top-k are exactly offset .. offset + k - 1.
+        rank = (torch.arange(experts, device=logits.device)[None, :] - offset[:, None]) % experts
+        pattern = -rank.to(logits.dtype)
+        return logits + (pattern - logits).detach()
+
+    with mock.patch.object(router, "random_logits_straight_through", balanced):
+        yield
+
+
 def _keep_callback(spec: Any) -> bool:
     """Whether a configured callback (a ``class_path`` spec, or an object) is one of `MEMORY_CALLBACKS`."""
     if not hasattr(spec, "get"):
@@ -284,7 +307,7 @@ def _measurement_overrides(measure_step: int, world_size: int, root: str) -> lis
     ]
 
 
-def _fit_rank(rank: int, world_size: int, args: list[str], measure_step: int, root: str) -> dict[str, int]:
+def _fit_rank(rank: int, world_size: int, args: list[str], measure_step: int, root: str, balanced: bool) -> dict[str, int]:
     from jsonargparse import set_parsing_settings
 
     torch.set_num_threads(1)  # the ranks share the machine's cores
@@ -297,7 +320,8 @@ def _fit_rank(rank: int, world_size: int, args: list[str], measure_step: int, ro
     )
     meter = StepMemoryMeter(measure_step)
     cli.trainer.callbacks.append(meter)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    with exactly_balanced_routing(cli.model.config.moe.top_k) if balanced else contextlib.nullcontext():
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     if meter.measured is None:
         raise RuntimeError(
             f"Rank {rank}: optimizer step {measure_step} was never completed (global_step={cli.trainer.global_step}); "
@@ -306,7 +330,9 @@ def _fit_rank(rank: int, world_size: int, args: list[str], measure_step: int, ro
     return meter.measured
 
 
-def measure_fit(args: list[str], world_size: int, measure_step: int = 1, timeout_s: float = 600.0) -> list[dict[str, int]]:
+def measure_fit(
+    args: list[str], world_size: int, measure_step: int = 1, timeout_s: float = 600.0, balanced_routing: bool = False
+) -> list[dict[str, int]]:
     """`StepMemoryMeter.measured` of every rank (rank order) for ``lightning-moe fit ARGS`` on
     ``world_size`` forked gloo ranks (one intra-op thread each).
 
@@ -315,12 +341,17 @@ def measure_fit(args: list[str], world_size: int, measure_step: int = 1, timeout
     The run is shortened to a measurement: ``devices=world_size``, ``max_steps = measure_step + 1``,
     no logger, checkpointing, progress bar, model summary, sanity or other validation; the
     configuration's callbacks are dropped except `MEMORY_CALLBACKS`. Relative paths in ``args``
-    are resolved from the current directory.
+    are resolved from the current directory. ``balanced_routing``: the reference model's routers
+    route exactly balanced (`exactly_balanced_routing`; sets ``model.moe.force_load_balancing``).
     """
     args = list(args[1:] if args[:1] == ["fit"] else args)
     args = [_absolute_config(a) for a in args]
+    if balanced_routing:
+        args.append("--model.model.moe.force_load_balancing=true")
     with tempfile.TemporaryDirectory(prefix="measure_fit-") as root:
-        return run_distributed(_fit_rank, world_size, args, measure_step, root, timeout_s=timeout_s, tmp_dir=root)
+        return run_distributed(
+            _fit_rank, world_size, args, measure_step, root, balanced_routing, timeout_s=timeout_s, tmp_dir=root
+        )
 
 
 def _absolute_config(arg: str) -> str:

@@ -1,0 +1,342 @@
+"""One rank's training step of a ``lightning-moe fit`` configuration, on a CPU that computes nothing.
+
+:func:`fake_fit_rank` runs what ``lightning-moe fit`` runs: the same configuration parsed by the same
+CLI, the same ``Trainer.fit`` with the configured ``MoEStrategy``, LightningModule, precision,
+gradient accumulation and memory callbacks (recompute, offload), as rank ``r`` of the configured
+world on torch's ``fake`` process group (`lightning_moe.planning.fake_world`). The model is built on
+the meta device as always under ``MoEStrategy``; its shards are materialised under
+``FakeTensorMode``, and the training step, backward and optimizer step run under it too: shapes,
+dtypes and every allocation are real, no value is computed and nothing is allocated. A
+`~lightning_moe.planning.step_probe.StepProbe` counts the live bytes and the collectives.
+
+What differs from a real run, and why:
+
+* the Trainer runs on the CPU accelerator (the planner runs where there is no GPU); a configuration
+  for GPUs plans the GPU's memory: the experts take the ``grouped_mm`` kernel and attention a
+  flash kernel's memory (`lightning_moe.planning.gpu_path`), and ``16-mixed`` is planned as
+  ``bf16-mixed`` (the same bytes; CPU autocast has no fp16 loss scaling);
+* the data: the reference model is fed synthetic batches of the configured ``batch_size`` and
+  ``seq_len`` (its ``TextDataModule`` reads no corpus); any other model gets its own datamodule;
+* routing: the dispatcher's one host read, the per-expert row counts, is answered as perfectly
+  balanced routing times ``imbalance`` (every expert receives ``imbalance`` times its share, so the
+  receiving buffers are sized for the busiest rank); the other reads are answered as on a healthy
+  run (the TP ranks agree on the batch, the gradients are finite);
+* logged values (``self.log``) are replaced by real zeros (a fake value has nothing to log), no
+  logger, checkpoint, progress bar, summary or validation runs, and only the memory callbacks of
+  the configuration are kept.
+
+What it cannot see: GPU streams and the caching allocator (fragmentation, the reserve beyond the
+allocated bytes), NCCL's own buffers, CUDA and library workspaces.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import lightning as L
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.tensor import DTensor
+
+from lightning_moe.planning.fake_world import fake_rank
+from lightning_moe.planning.gpu_path import take_the_gpu_path
+from lightning_moe.planning.step_probe import Collective, StepProbe
+
+__all__ = ["MEMORY_CALLBACKS", "PlanConfigError", "RankStep", "fake_fit_rank"]
+
+MEMORY_CALLBACKS = (
+    "lightning_moe.callbacks.SelectiveRecompute",
+    "lightning_moe.callbacks.ActivationOffload",
+    "lightning_moe.callbacks.CUDAGraphCapture",
+)
+"""The callbacks of a configuration the planner keeps: they change what a step holds."""
+
+_GPU_ACCELERATORS = ("gpu", "cuda", "auto")
+
+
+class PlanConfigError(ValueError):
+    """The configuration cannot be planned; the message says why and what to change."""
+
+
+@dataclass
+class RankStep:
+    """What one rank held and sent during one optimizer step (bytes of distinct storages)."""
+
+    rank: int
+    params_bytes: int
+    """The storages behind the rank's parameters (a DTensor's local shard)."""
+    grads_bytes: int
+    """The storages behind the gradients before the optimizer step (a gradient-sync bucket whole)."""
+    optimizer_bytes: int
+    """The storages of every optimizer state tensor after the step."""
+    peak_bytes: int
+    """The largest live bytes during the step, everything the rank holds included."""
+    start_bytes: int
+    """Live bytes when the step began."""
+    collectives: list[Collective] = field(default_factory=list)
+    """The collectives this rank issued during the step."""
+    host_reads: int = 0
+    """Reads of device values by the host during the step (device synchronisations on a GPU)."""
+
+    @property
+    def activation_bytes(self) -> int:
+        """``peak_bytes - params_bytes - grads_bytes - optimizer_bytes``: everything else live at the
+        peak (activations, temporaries, communication buffers, the batch)."""
+        return self.peak_bytes - self.params_bytes - self.grads_bytes - self.optimizer_bytes
+
+
+def fake_fit_rank(
+    args: list[str], rank: int, world_size: int, *, imbalance: float = 1.0, measure_step: int = 1
+) -> RankStep:
+    """Run ``lightning-moe fit ARGS`` as ``rank`` of ``world_size`` on fake tensors and return what
+    optimizer step ``measure_step`` (0-based; the default 1 runs with AdamW's moments) held.
+
+    ``args``: what ``lightning-moe fit`` takes after ``fit`` (``--config`` and overrides).
+    ``imbalance`` (>= 1): every expert receives this times its balanced share of rows.
+    """
+    if imbalance < 1:
+        raise PlanConfigError(f"imbalance must be >= 1 (1 = perfectly balanced routing), got {imbalance}.")
+    with fake_rank(rank, world_size), tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
+        cli = _plan_cli(args, measure_step, root)
+        trainer, module = cli.trainer, cli.model
+        loader = _loader(cli, world_size, measure_step)
+        meter = _StepMeter(measure_step, trainer.accumulate_grad_batches)
+        trainer.callbacks.append(meter)
+        with _faked_training(meter, cli.planned_for_gpu, _routing_answers(cli, imbalance)):
+            if loader is None:
+                trainer.fit(module, datamodule=cli.datamodule)
+            else:
+                trainer.fit(module, train_dataloaders=loader)
+        if meter.result is None:
+            raise PlanConfigError(
+                f"optimizer step {measure_step} never ran (global_step={trainer.global_step}): the configured "
+                "data holds fewer batches than the planner needs."
+            )
+        meter.result.rank = rank
+        return meter.result
+
+
+# -- the configuration ---------------------------------------------------------------------------
+
+
+def _plan_cli(args: list[str], measure_step: int, root: str):
+    from jsonargparse import set_parsing_settings
+
+    from lightning_moe.cli import MoECLI, check_config_before_launch, check_layout_before_launch
+
+    class PlanCLI(MoECLI):
+        """``lightning-moe fit``'s parser and checks, the run shortened to the planned step."""
+
+        planned_for_gpu = False
+
+        def before_instantiate_classes(self) -> None:
+            super().before_instantiate_classes()
+            trainer = self.config.trainer
+            PlanCLI.planned_for_gpu = str(trainer.get("accelerator") or "auto") in _GPU_ACCELERATORS
+            trainer.accelerator = "cpu"
+            if str(trainer.get("precision")) in ("16-mixed", "16"):
+                trainer.precision = "bf16-mixed"  # the same bytes; CPU autocast runs bf16
+            callbacks = trainer.get("callbacks") or []
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            trainer.callbacks = [c for c in callbacks if _is_memory_callback(c)]
+
+        def after_instantiate_classes(self) -> None:
+            check_layout_before_launch(self.model, self.trainer.strategy)
+            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, "fit")
+
+    # The parser settings of lightning_moe.cli.cli_main.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True, instantiate_subclass_spec_in_any=False)
+    overrides = [
+        f"--trainer.max_steps={measure_step + 1}", "--trainer.max_epochs=-1", "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
+        f"--trainer.default_root_dir={root}",
+    ]
+    args = list(args[1:] if args[:1] == ["fit"] else args)
+    return PlanCLI(L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
+                   args=[*args, *overrides])
+
+
+def _is_memory_callback(spec: Any) -> bool:
+    class_path = str(spec.get("class_path")) if hasattr(spec, "get") else f"{type(spec).__module__}.{type(spec).__name__}"
+    if class_path in MEMORY_CALLBACKS:
+        return True
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    wanted = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in MEMORY_CALLBACKS]
+    return isinstance(cls, type) and issubclass(cls, tuple(wanted))
+
+
+def _is_reference(cli) -> bool:
+    from lightning_moe.lit import MoELanguageModel, TextDataModule
+
+    return isinstance(cli.model, MoELanguageModel) and (cli.datamodule is None or isinstance(cli.datamodule, TextDataModule))
+
+
+def _loader(cli, world_size: int, measure_step: int) -> torch.utils.data.DataLoader | None:
+    """Synthetic ``(inputs, targets)`` batches of the configured shape for the reference model;
+    None: fit with the configuration's own datamodule."""
+    if not _is_reference(cli):
+        return None
+    seq_len, batch_size = _data_shape(cli)
+    batches = (measure_step + 2) * cli.trainer.accumulate_grad_batches * world_size
+    return torch.utils.data.DataLoader(_Zeros(batches * batch_size, seq_len), batch_size=batch_size)
+
+
+def _data_shape(cli) -> tuple[int, int]:
+    """``(seq_len, batch_size)`` of the reference data (one sequence of ``max_seq_len`` without a datamodule)."""
+    data = cli.datamodule
+    if data is None:
+        return cli.model.config.max_seq_len, 1
+    return int(data.hparams.seq_len), int(data.hparams.batch_size)
+
+
+class _Zeros(torch.utils.data.Dataset):
+    def __init__(self, length: int, seq_len: int) -> None:
+        self.length, self.seq_len = length, seq_len
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(self.seq_len, dtype=torch.long), torch.zeros(self.seq_len, dtype=torch.long)
+
+
+def _routing_answers(cli, imbalance: float) -> dict[str, Any]:
+    """The host reads of a training step, answered as on a healthy run with ``imbalance``."""
+    strategy = cli.trainer.strategy
+    moe = getattr(getattr(cli.model, "config", None), "moe", None)
+    rows = 0
+    if moe is not None and _is_reference(cli):
+        seq_len, batch_size = _data_shape(cli)
+        dims = strategy.parallel_dims(strategy.num_nodes * strategy.num_processes)
+        micro_batch = batch_size // max(1, getattr(strategy, "num_microbatches", 1) if dims.pp > 1 else 1)
+        local_tokens = micro_batch * seq_len // (dims.tp * dims.cp)
+        rows = math.ceil(local_tokens * moe.top_k / moe.num_experts * imbalance)
+    return {
+        "alltoall.py:_counts": rows,  # per (source rank, expert): what each expert receives
+        "batch_agreement.py:_raise_if_disagree": False,  # the TP ranks hold the same batch
+        "optimizer_step.py:check": True,  # the global gradient norm is finite
+    }
+
+
+# -- the step ------------------------------------------------------------------------------------
+
+
+def _distinct_bytes(tensors) -> int:
+    storages = {}
+    for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
+
+
+class _StepMeter(L.Callback):
+    """Starts the probe's record at the measured step and reads what it held (`RankStep`)."""
+
+    def __init__(self, measure_step: int, accumulation: int) -> None:
+        self.measure_step, self.accumulation = measure_step, accumulation
+        self.probe: StepProbe | None = None
+        self.result: RankStep | None = None
+        self._grads = 0
+
+    def _measuring(self, trainer) -> bool:
+        return trainer.global_step == self.measure_step and self.probe is not None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._measuring(trainer) and batch_idx % self.accumulation == 0:
+            self.probe.new_step()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._measuring(trainer):
+            self._grads = _distinct_bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # global_step has moved on once the measured step's optimizer ran.
+        if self.result is not None or self.probe is None or trainer.global_step != self.measure_step + 1:
+            return
+        record = self.probe.new_step()
+        states = [t for optimizer in trainer.optimizers for state in optimizer.state.values()
+                  for t in state.values() if isinstance(t, torch.Tensor)]
+        self.result = RankStep(
+            rank=-1, params_bytes=_distinct_bytes(pl_module.parameters()), grads_bytes=self._grads,
+            optimizer_bytes=_distinct_bytes(states), peak_bytes=record.peak_bytes, start_bytes=record.start_bytes,
+            collectives=list(record.collectives), host_reads=len(record.host_reads),
+        )
+
+
+@contextmanager
+def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any]) -> Iterator[None]:
+    """Patch ``MoEStrategy`` so that the model's tensors are fake from materialisation on, and the
+    step, backward and optimizer step run under ``FakeTensorMode``, watched by a `StepProbe`."""
+    from lightning_moe.strategies import moe_strategy
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    tracker = ModTracker()
+    probe = StepProbe(answers, tracker)
+    strategy_cls = moe_strategy.MoEStrategy
+    real_materialize, real_grad_sync = moe_strategy.materialize, moe_strategy.make_grad_sync
+
+    with ExitStack() as stack:
+
+        def materialize(model, device, *args, **kwargs):
+            with fake:
+                real_materialize(model, device, *args, **kwargs)
+            if gpu:
+                take_the_gpu_path(model)
+            # From here on every storage made is counted; the shards are counted as held.
+            stack.enter_context(tracker)
+            stack.enter_context(probe)
+            stack.enter_context(probe.patched())
+            probe.adopt([*model.parameters(), *model.buffers()])
+            meter.probe = probe
+
+        def grad_sync(*args, **kwargs):
+            # GradSync computes each DTensor's block offsets with host tensors (torch's helper),
+            # which a fake mode would make valueless.
+            with unset_fake_temporarily():
+                return real_grad_sync(*args, **kwargs)
+
+        def faked(name: str):
+            real = getattr(strategy_cls, name)
+
+            def run(self, *args, **kwargs):
+                with fake:
+                    return real(self, *args, **kwargs)
+
+            return mock.patch.object(strategy_cls, name, run)
+
+        real_log = L.LightningModule.log
+
+        def log(self, name, value, *args, **kwargs):
+            if isinstance(value, FakeTensor):
+                with unset_fake_temporarily():
+                    value = torch.zeros((), dtype=value.dtype)
+            with unset_fake_temporarily():
+                return real_log(self, name, value, *args, **kwargs)
+
+        for patch in (
+            mock.patch.object(moe_strategy, "materialize", materialize),
+            mock.patch.object(moe_strategy, "make_grad_sync", grad_sync),
+            # Fake tensors are on the CPU already (and cannot be swapped into a module by .to()).
+            mock.patch.object(strategy_cls, "model_to_device", lambda self: None),
+            mock.patch.object(L.LightningModule, "log", log),
+            faked("training_step"), faked("backward"), faked("optimizer_step"),
+        ):
+            stack.enter_context(patch)
+        yield
+
