@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -46,8 +47,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.planning.fake_world import fake_rank
 from lightning_moe.planning.gpu_path import take_the_gpu_path
+from lightning_moe.planning.live_bytes import follow_fsdp_resizes
 from lightning_moe.planning.step_probe import Collective, StepProbe
 
 __all__ = ["MEMORY_CALLBACKS", "PlanConfigError", "RankStep", "fake_fit_rank"]
@@ -279,6 +282,15 @@ class _StepMeter(L.Callback):
         )
 
 
+def _keep_objects(objects: list, src: int | None = None, group=None, device=None, group_src=None) -> None:
+    """``broadcast_object_list`` in a fake world: the objects stay as this rank computed them."""
+    if any(o is None for o in objects):
+        raise PlanConfigError(
+            "this layout needs an object only another rank computes (a pipeline stage's boundary shapes): "
+            "plans of pipeline-parallel layouts are not supported yet; plan pipeline_parallel_size=1."
+        )
+
+
 @contextmanager
 def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any]) -> Iterator[None]:
     """Patch ``MoEStrategy`` so that the model's tensors are fake from materialisation on, and the
@@ -302,6 +314,7 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any]) -> It
             stack.enter_context(tracker)
             stack.enter_context(probe)
             stack.enter_context(probe.patched())
+            stack.enter_context(follow_fsdp_resizes(probe))
             probe.adopt([*model.parameters(), *model.buffers()])
             meter.probe = probe
 
@@ -335,6 +348,12 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any]) -> It
             # Fake tensors are on the CPU already (and cannot be swapped into a module by .to()).
             mock.patch.object(strategy_cls, "model_to_device", lambda self: None),
             mock.patch.object(L.LightningModule, "log", log),
+            # A fake broadcast sends nothing (the receivers would unpickle garbage): every rank of a
+            # fake world keeps what it computed itself, the same as the source's (seeds, paths).
+            mock.patch.object(strategy_cls, "broadcast", lambda self, obj, src=0: obj),
+            mock.patch.object(torch.distributed, "broadcast_object_list", _keep_objects),
+            # The CPU's expert GEMM library is measured on rank 0 and sent to all: no memory of its own.
+            mock.patch.dict(os.environ, {CPU_GEMM_ENV_VAR: "aten"}),
             faked("training_step"), faked("backward"), faked("optimizer_step"),
         ):
             stack.enter_context(patch)

@@ -7,19 +7,22 @@ others (DTensor) are counted through the tensors they hold. Works on real tensor
 ``FakeTensorMode`` (enter the fake mode first), where nothing is allocated but sizes are real.
 
 Storages that existed before the mode was entered are not counted, and neither is memory an op
-uses internally and frees before returning (a kernel's workspace).
+uses internally and frees before returning (a kernel's workspace). A storage resized without an op
+(FSDP2 allocates and frees its unsharded parameters so) is followed inside :func:`follow_fsdp_resizes`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "held_bytes"]
+__all__ = ["LiveBytes", "follow_fsdp_resizes", "held_bytes"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -30,6 +33,7 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._alive: set[int] = set()
+        self._sizes: dict[int, int] = {}  # storage key -> bytes counted for it now (resizes change it)
         # Storages may die on other threads (a collective's worker): counts change under a lock.
         self._lock = threading.Lock()
 
@@ -56,6 +60,7 @@ class LiveBytes(TorchDispatchMode):
             if key in self._alive:
                 return
             self._alive.add(key)
+            self._sizes[key] = nbytes
             self.live += nbytes
             self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._release, key, nbytes)
@@ -64,7 +69,45 @@ class LiveBytes(TorchDispatchMode):
         with self._lock:
             if key in self._alive:
                 self._alive.discard(key)
-                self.live -= nbytes
+                self.live -= self._sizes.pop(key, nbytes)
+
+    def resized(self, tensor: torch.Tensor, before: int) -> None:
+        """``tensor``'s storage was resized in place from ``before`` bytes to its size now."""
+        storage = tensor.untyped_storage()
+        key, after = storage._cdata, storage.nbytes()
+        with self._lock:
+            known = key in self._alive
+            if known:
+                self.live += after - self._sizes.get(key, before)
+                self._sizes[key] = after
+                self.peak = max(self.peak, self.live)
+        if not known and after:
+            self._count(tensor)  # first seen now, at its new size
+
+
+@contextlib.contextmanager
+def follow_fsdp_resizes(counter: LiveBytes) -> Iterator[None]:
+    """Tell ``counter`` of every storage FSDP2 resizes: it allocates and frees the unsharded
+    parameters with ``alloc_storage``/``free_storage`` (``storage.resize_``), which no dispatch mode
+    sees. Wraps those two functions where FSDP2 looks them up, for the body only."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    def wrap(original):
+        def resize(tensor: torch.Tensor) -> None:
+            before = tensor.untyped_storage().nbytes()
+            original(tensor)
+            counter.resized(tensor, before)
+        return resize
+
+    patched = [(module, name, getattr(module, name)) for module in (_fsdp_param, _fsdp_param_group)
+               for name in ("alloc_storage", "free_storage") if hasattr(module, name)]
+    for module, name, original in patched:
+        setattr(module, name, wrap(original))
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
 def held_bytes(module: torch.nn.Module) -> int:

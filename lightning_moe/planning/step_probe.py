@@ -209,7 +209,15 @@ class StepProbe(LiveBytes):
             self._count(tensor)
 
     def _count(self, tensor: torch.Tensor) -> None:
-        super()._count(tensor)  # live grows only here: the peaks are updated where it may have
+        super()._count(tensor)  # live grows here and in resized: the peaks are updated where it may have
+        self._update_peaks()
+
+    def resized(self, tensor: torch.Tensor, before: int) -> None:
+        """As `LiveBytes.resized`, and the step's peaks follow."""
+        super().resized(tensor, before)
+        self._update_peaks()
+
+    def _update_peaks(self) -> None:
         self.record.peak_bytes = max(self.record.peak_bytes, self.live)
         phase = self.phase if self.phase != "micro-batch" else ("backward" if self.tracker.is_bw else "forward")
         self.record.phase_peaks[phase] = max(self.record.phase_peaks.get(phase, 0), self.live)

@@ -52,12 +52,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from helpers.dist import run_distributed
 from helpers.memory import storage_bytes, tensors_in
 from lightning_moe.callbacks import ActivationOffload, CUDAGraphCapture, SelectiveRecompute
-from lightning_moe.planning.live_bytes import LiveBytes
+from lightning_moe.planning.live_bytes import LiveBytes, follow_fsdp_resizes
 
 __all__ = ["MEASURED_KEYS", "MEMORY_CALLBACKS", "StepMemoryMeter", "exactly_balanced_routing", "measure_fit"]
 
@@ -77,10 +76,6 @@ _WALK_LIMIT = 200_000  # objects visited at most per root (a pipeline schedule h
 class _StepLiveBytes(LiveBytes):
     """`LiveBytes` that lets DTensor ops through and follows storage resizes (module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._sizes: dict[int, int] = {}  # storage key -> bytes counted for it now
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs its local ops (and redistributions) through this mode
@@ -89,53 +84,7 @@ class _StepLiveBytes(LiveBytes):
     def _count(self, tensor: torch.Tensor) -> None:
         if isinstance(tensor, FakeTensor):
             return  # DTensor's shape propagation: nothing is allocated
-        if not is_traceable_wrapper_subclass(tensor) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            with self._lock:
-                self._sizes.setdefault(storage._cdata, storage.nbytes())
         super()._count(tensor)
-
-    def _release(self, key: int, nbytes: int) -> None:
-        with self._lock:
-            if key in self._alive:
-                self._alive.discard(key)
-                self.live -= self._sizes.pop(key, nbytes)
-
-    def resized(self, tensor: torch.Tensor, before: int) -> None:
-        """``tensor``'s storage was resized from ``before`` bytes to its size now."""
-        storage = tensor.untyped_storage()
-        key, after = storage._cdata, storage.nbytes()
-        with self._lock:
-            known = key in self._alive
-            if known:
-                self.live += after - self._sizes.get(key, before)
-                self._sizes[key] = after
-                self.peak = max(self.peak, self.live)
-        if not known and after:
-            self._count(tensor)  # first seen now, at its new size
-
-
-@contextlib.contextmanager
-def _fsdp_resizes(counter: _StepLiveBytes) -> Iterator[None]:
-    """Wrap FSDP2's ``alloc_storage``/``free_storage`` (where they are looked up) to tell ``counter``."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-
-    def wrap(original):
-        def resize(tensor: torch.Tensor) -> None:
-            before = tensor.untyped_storage().nbytes()
-            original(tensor)
-            counter.resized(tensor, before)
-        return resize
-
-    patched = [(module, name, getattr(module, name)) for module in (_fsdp_param, _fsdp_param_group)
-               for name in ("alloc_storage", "free_storage") if hasattr(module, name)]
-    for module, name, original in patched:
-        setattr(module, name, wrap(original))
-    try:
-        yield
-    finally:
-        for module, name, original in patched:
-            setattr(module, name, original)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -204,7 +153,7 @@ class StepMemoryMeter(L.Callback):
         for tensor in self._held(trainer, pl_module, batch):
             counter._count(tensor)
         self._resizes = contextlib.ExitStack()
-        self._resizes.enter_context(_fsdp_resizes(counter))
+        self._resizes.enter_context(follow_fsdp_resizes(counter))
         counter.__enter__()
         self._counter = counter
 
