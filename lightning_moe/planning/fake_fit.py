@@ -53,7 +53,7 @@ from lightning_moe.planning.gpu_path import take_the_gpu_path
 from lightning_moe.planning.live_bytes import follow_fsdp_resizes
 from lightning_moe.planning.step_probe import Collective, StepProbe
 
-__all__ = ["MEMORY_CALLBACKS", "PlanConfigError", "RankStep", "fake_fit_rank"]
+__all__ = ["MEMORY_CALLBACKS", "AwaitsObject", "FakeObjects", "PlanConfigError", "RankStep", "fake_fit_rank"]
 
 MEMORY_CALLBACKS = (
     "lightning_moe.callbacks.SelectiveRecompute",
@@ -97,13 +97,16 @@ class RankStep:
 
 
 def fake_fit_rank(
-    args: list[str], rank: int, world_size: int, *, imbalance: float = 1.0, measure_step: int = 1
+    args: list[str], rank: int, world_size: int, *, imbalance: float = 1.0, measure_step: int = 1,
+    objects: FakeObjects | None = None,
 ) -> RankStep:
     """Run ``lightning-moe fit ARGS`` as ``rank`` of ``world_size`` on fake tensors and return what
     optimizer step ``measure_step`` (0-based; the default 1 runs with AdamW's moments) held.
 
     ``args``: what ``lightning-moe fit`` takes after ``fit`` (``--config`` and overrides).
     ``imbalance`` (>= 1): every expert receives this times its balanced share of rows.
+    ``objects``: the object broadcasts of the ranks planned before in this process (`FakeObjects`);
+    raises `AwaitsObject` when this rank needs one of a rank not planned yet.
     """
     if imbalance < 1:
         raise PlanConfigError(f"imbalance must be >= 1 (1 = perfectly balanced routing), got {imbalance}.")
@@ -113,7 +116,9 @@ def fake_fit_rank(
         loader = _loader(cli, world_size, measure_step)
         meter = _StepMeter(measure_step, trainer.accumulate_grad_batches)
         trainer.callbacks.append(meter)
-        with _faked_training(meter, cli.planned_for_gpu, _routing_answers(cli, imbalance)):
+        objects = FakeObjects() if objects is None else objects
+        objects.new_rank()
+        with _faked_training(meter, cli.planned_for_gpu, _routing_answers(cli, imbalance), objects):
             if loader is None:
                 trainer.fit(module, datamodule=cli.datamodule)
             else:
@@ -231,6 +236,9 @@ def _routing_answers(cli, imbalance: float) -> dict[str, Any]:
         "alltoall.py:_counts": rows,  # per (source rank, expert): what each expert receives
         "batch_agreement.py:_raise_if_disagree": False,  # the TP ranks hold the same batch
         "optimizer_step.py:check": True,  # the global gradient norm is finite
+        # torch's pipeline schedule votes once whether every stage's shapes are static: they are (the
+        # runner gives each stage its boundary shapes).
+        "pipeline.py:_run_schedule": 1,
     }
 
 
@@ -282,17 +290,55 @@ class _StepMeter(L.Callback):
         )
 
 
-def _keep_objects(objects: list, src: int | None = None, group=None, device=None, group_src=None) -> None:
-    """``broadcast_object_list`` in a fake world: the objects stay as this rank computed them."""
-    if any(o is None for o in objects):
-        raise PlanConfigError(
-            "this layout needs an object only another rank computes (a pipeline stage's boundary shapes): "
-            "plans of pipeline-parallel layouts are not supported yet; plan pipeline_parallel_size=1."
-        )
+class AwaitsObject(Exception):
+    """A fake rank needs an object another rank computes (a pipeline stage's boundary shapes) that no
+    rank planned so far has sent: plan the sending rank first (`FakeObjects`), then this one again."""
+
+
+class FakeObjects:
+    """``broadcast_object_list`` across the ranks one process plays in turn on the fake backend.
+
+    A fake broadcast sends nothing. Here the source rank's objects are kept, keyed by the call's
+    site and its count there (every rank runs the same code, so the n-th broadcast at a site is the
+    same broadcast on all), and a receiving rank gets them from the store: what the source would
+    have sent. A receiver whose objects the store does not hold yet keeps its own when it has them
+    all (computed alike on every rank: seeds), else raises `AwaitsObject`; the planner then plans
+    the other ranks first and this one again.
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[str, int], list] = {}
+        self._calls: dict[str, int] = {}
+
+    def new_rank(self) -> None:
+        """Count the calls of a new rank from zero."""
+        self._calls = {}
+
+    def broadcast_object_list(self, objects: list, src: int | None = None, group=None, device=None,
+                              group_src: int | None = None) -> None:
+        """``torch.distributed.broadcast_object_list`` between fake ranks (class docstring)."""
+        import copy
+        import sys
+
+        import torch.distributed as dist
+
+        caller = sys._getframe(1)
+        site = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        index = self._calls.get(site, 0)
+        self._calls[site] = index + 1
+        if group_src is not None:
+            src = dist.get_global_rank(group, group_src)
+        key = (site, index)
+        if src == dist.get_rank():
+            self.sent[key] = copy.deepcopy(objects)
+        elif key in self.sent:
+            objects[:] = copy.deepcopy(self.sent[key])
+        elif any(o is None for o in objects):
+            raise AwaitsObject(f"broadcast at {site} (call {index}) from rank {src}")
 
 
 @contextmanager
-def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any]) -> Iterator[None]:
+def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objects: FakeObjects) -> Iterator[None]:
     """Patch ``MoEStrategy`` so that the model's tensors are fake from materialisation on, and the
     step, backward and optimizer step run under ``FakeTensorMode``, watched by a `StepProbe`."""
     from lightning_moe.strategies import moe_strategy
@@ -351,7 +397,7 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any]) -> It
             # A fake broadcast sends nothing (the receivers would unpickle garbage): every rank of a
             # fake world keeps what it computed itself, the same as the source's (seeds, paths).
             mock.patch.object(strategy_cls, "broadcast", lambda self, obj, src=0: obj),
-            mock.patch.object(torch.distributed, "broadcast_object_list", _keep_objects),
+            mock.patch.object(torch.distributed, "broadcast_object_list", objects.broadcast_object_list),
             # The CPU's expert GEMM library is measured on rank 0 and sent to all: no memory of its own.
             mock.patch.dict(os.environ, {CPU_GEMM_ENV_VAR: "aten"}),
             faked("training_step"), faked("backward"), faked("optimizer_step"),

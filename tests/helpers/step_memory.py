@@ -86,6 +86,27 @@ class _StepLiveBytes(LiveBytes):
             return  # DTensor's shape propagation: nothing is allocated
         super()._count(tensor)
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting ``tensor``'s storage (it is alive, but not what the step holds)."""
+        key = tensor.untyped_storage()._cdata
+        with self._lock:
+            if key in self._alive:
+                self._alive.discard(key)
+                self.live -= self._sizes.pop(key, 0)
+
+
+def _dataset_tensors(trainer) -> list[torch.Tensor]:
+    """The training data's host tensors (a token stream): data on the host, not what a device holds."""
+    loaders = trainer.train_dataloader
+    loaders = getattr(loaders, "flattened", None) or ([loaders] if loaders is not None else [])
+    found = []
+    for loader in loaders:
+        dataset = getattr(loader, "dataset", None)
+        while dataset is not None:
+            found += [value for value in vars(dataset).values() if isinstance(value, torch.Tensor)]
+            dataset = getattr(dataset, "dataset", None)
+    return found
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -136,6 +157,7 @@ class StepMemoryMeter(L.Callback):
         self._counter: _StepLiveBytes | None = None
         self._resizes: contextlib.ExitStack | None = None
         self._grads_bytes = 0
+        self._window = False
 
     def _held(self, trainer, pl_module, batch) -> list[torch.Tensor]:
         strategy = trainer.strategy
@@ -145,28 +167,39 @@ class StepMemoryMeter(L.Callback):
         return _real([*params, *grads, *pl_module.buffers(), *_state_tensors(trainer.optimizers),
                       *tensors_in(batch), *kept])
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        """Start counting at the first micro-batch of the measured step."""
-        if self._counter is not None or self.measured is not None or trainer.global_step != self.measure_step:
-            return
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Start counting before the first step: every storage made from here on is seen being made
+        (pipeline schedules and their buffers, gradient buckets, optimizer states), so the measured
+        step starts from all the rank holds, not only from what a walk of the holders finds."""
         counter = _StepLiveBytes()
-        for tensor in self._held(trainer, pl_module, batch):
+        for tensor in self._held(trainer, pl_module, ()):
             counter._count(tensor)
         self._resizes = contextlib.ExitStack()
         self._resizes.enter_context(follow_fsdp_resizes(counter))
         counter.__enter__()
         self._counter = counter
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """The measured step's window opens at its first micro-batch: its peak starts at what is held."""
+        if self._counter is None or self._window or trainer.global_step != self.measure_step:
+            return
+        for tensor in tensors_in(batch):
+            self._counter._count(tensor)
+        for tensor in _dataset_tensors(trainer):  # made while counting (the loader's first epoch)
+            self._counter.forget(tensor)
+        self._counter.peak = self._counter.live
+        self._window = True
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         """Read the gradients' storages: reduced, not yet applied."""
-        if self._counter is None:
+        if not self._window:
             return
         grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
         self._grads_bytes = max(self._grads_bytes, storage_bytes(_real(grads)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """Stop after the measured step's last micro-batch (the optimizer has stepped)."""
-        if self._counter is None or trainer.global_step != self.measure_step + 1:
+        if not self._window or self.measured is not None or trainer.global_step != self.measure_step + 1:
             return
         peak = self._stop()
         params = storage_bytes(_real(_local(p) for p in pl_module.parameters()))
