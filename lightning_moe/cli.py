@@ -9,6 +9,7 @@
     lightning-moe export CKPT OUT_DIR --format hf              # ... as a Hugging Face model directory
     lightning-moe generate CKPT --prompt "def main("           # continue a prompt (greedy; --temperature samples)
     lightning-moe test --config ... --ckpt_path CKPT           # test_loss / test_ppl on the held-out documents
+    lightning-moe plan --config ... --gpu_memory 80GB          # per-rank memory before launching; --search
     lightning-moe fit --config examples/configs/hf_finetune_tiny.yaml   # fine-tune a Hugging Face model
 
 A LightningCLI whose ``model:`` and ``data:`` are any LightningModule and LightningDataModule,
@@ -60,6 +61,7 @@ from lightning_moe.cli_checks import check_config_before_launch, check_init_from
 from lightning_moe.cli_ckpt_hparams import checkpoint_hyperparameters
 from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
 from lightning_moe.cli_help import HelpParser
+from lightning_moe.cli_plan import PLAN_HELP, plan_main, plan_parser
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
 from lightning_moe.parallel.checkpoint_export_hf import export_hf
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
@@ -185,6 +187,7 @@ class MoECLI(LightningCLI):
         if subcommands is not None:
             subcommands.add_subcommand("export", export_parser(), help=EXPORT_HELP)
             subcommands.add_subcommand("generate", generate_parser(), help=GENERATE_HELP)
+            subcommands.add_subcommand("plan", plan_parser(), help=PLAN_HELP)
 
     def _parse_ckpt_path(self) -> None:
         """Merge a ``--ckpt_path`` file's hyperparameters into the reference model's configuration,
@@ -251,15 +254,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint | Generated:
+def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint | Generated | Any:
     """Run the CLI on ``args`` (default: the command line) and return it (for tests and notebooks);
     ``export ...`` returns what :func:`export_main` exported, ``generate ...`` what
-    :func:`~lightning_moe.cli_generate.generate_main` generated."""
+    :func:`~lightning_moe.cli_generate.generate_main` generated, ``plan ...`` the
+    :class:`~lightning_moe.planning.Plan` (or ``--search``'s ranked layouts)."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
     if argv[:1] == ["generate"]:
         return generate_main(argv[1:])
+    if argv[:1] == ["plan"]:
+        return plan_main(argv[1:])
     # Field docstrings of the config dataclasses become --help text.
     # A class_path under an Any-typed field stays a mapping (the default of jsonargparse 5): a
     # configuration or a checkpoint's hyperparameters never name objects to build there.

@@ -47,13 +47,18 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.layers import expert_kernels
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
+from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.planning.fake_world import fake_rank
 from lightning_moe.planning.gpu_path import take_the_gpu_path
 from lightning_moe.planning.live_bytes import follow_fsdp_resizes
 from lightning_moe.planning.step_probe import Collective, StepProbe
 
-__all__ = ["MEMORY_CALLBACKS", "AwaitsObject", "FakeObjects", "PlanConfigError", "RankStep", "fake_fit_rank"]
+__all__ = [
+    "MEMORY_CALLBACKS", "AwaitsObject", "FakeObjects", "PlanConfigError", "PlannedLayout", "RankStep", "fake_fit_rank",
+    "read_layout",
+]
 
 MEMORY_CALLBACKS = (
     "lightning_moe.callbacks.SelectiveRecompute",
@@ -135,6 +140,47 @@ def fake_fit_rank(
 # -- the configuration ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PlannedLayout:
+    """What a configuration asks for, read without running it (`read_layout`)."""
+
+    dims: ParallelDims
+    sharding_strategy: str
+    precision: str
+    """As configured (the planner runs ``16-mixed`` as ``bf16-mixed``)."""
+    devices_per_node: int
+    num_nodes: int
+    capacity_factor: float | None
+    has_experts: bool
+
+
+def read_layout(args: list[str]) -> PlannedLayout:
+    """Parse and check ``lightning-moe fit ARGS`` as ``fit`` does before it launches, without running it."""
+    with tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
+        cli = _plan_cli(args, 1, root)
+    strategy = cli.trainer.strategy
+    if not hasattr(type(strategy), "parallel_context"):
+        raise PlanConfigError(
+            f"the planner plans MoEStrategy runs; the configuration's strategy is {type(strategy).__name__}: set "
+            "trainer.strategy to lightning_moe.strategies.MoEStrategy (or 'moe')."
+        )
+    moe = getattr(getattr(cli.model, "config", None), "moe", None)
+    return PlannedLayout(
+        strategy.parallel_dims(strategy.num_nodes * strategy.num_processes), strategy.sharding_strategy,
+        cli.precision, strategy.num_processes, strategy.num_nodes,
+        getattr(moe, "capacity_factor", None), any(True for _ in _expert_layers(cli.model)),
+    )
+
+
+def _expert_layers(module):
+    from lightning_moe.layers.moe import MoELayer
+
+    config = getattr(module, "config", None)
+    if getattr(config, "moe", None) is not None:  # the reference model, built only in configure_model
+        yield config.moe
+    yield from (m for m in module.modules() if isinstance(m, MoELayer))
+
+
 def _plan_cli(args: list[str], measure_step: int, root: str):
     from jsonargparse import set_parsing_settings
 
@@ -144,11 +190,13 @@ def _plan_cli(args: list[str], measure_step: int, root: str):
         """``lightning-moe fit``'s parser and checks, the run shortened to the planned step."""
 
         planned_for_gpu = False
+        precision = "32-true"
 
         def before_instantiate_classes(self) -> None:
             super().before_instantiate_classes()
             trainer = self.config.trainer
-            PlanCLI.planned_for_gpu = str(trainer.get("accelerator") or "auto") in _GPU_ACCELERATORS
+            self.planned_for_gpu = str(trainer.get("accelerator") or "auto") in _GPU_ACCELERATORS
+            self.precision = str(trainer.get("precision") or "32-true")
             trainer.accelerator = "cpu"
             if str(trainer.get("precision")) in ("16-mixed", "16"):
                 trainer.precision = "bf16-mixed"  # the same bytes; CPU autocast runs bf16
@@ -388,6 +436,8 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objec
             with unset_fake_temporarily():
                 return real_log(self, name, value, *args, **kwargs)
 
+        if gpu:  # the experts compute in bf16 under autocast as on a GPU (a CPU does only with bf16 units)
+            stack.enter_context(mock.patch.object(expert_kernels, "cpu_has_bf16_units", lambda: True))
         for patch in (
             mock.patch.object(moe_strategy, "materialize", materialize),
             mock.patch.object(moe_strategy, "make_grad_sync", grad_sync),

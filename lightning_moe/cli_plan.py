@@ -1,0 +1,227 @@
+"""``lightning-moe plan``: will this layout fit, and which layout is best, before renting a GPU.
+
+    lightning-moe plan --config examples/configs/plan/qwen3_30b_a3b_8gpu.yaml --gpu_memory 80GB
+    lightning-moe plan --config CONFIG.yaml --trainer.strategy.init_args.expert_parallel_size=4 --json
+    lightning-moe plan --config CONFIG.yaml --gpu_memory 80GB --search     # every layout of the world size
+
+Takes what ``lightning-moe fit`` takes (``--config`` and the same overrides) and runs the
+configuration's real setup and one training step per pipeline stage in this process, as one rank
+of the configured world on torch's fake process group with fake tensors: no GPU, no data, no
+other process (:mod:`lightning_moe.planning`). A configuration for GPUs (``accelerator: gpu``) is
+planned with the GPU's kernels' memory. Printed for the largest rank, and per pipeline stage: the
+bytes of parameters, gradients, optimizer states, activations and buffers at the peak, the peak;
+with ``--gpu_memory`` whether it fits; the bytes per step of each kind of collective; a warning for
+a TP, CP, EP or ETP group that spans nodes. ``--json`` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from jsonargparse import ArgumentParser
+
+from lightning_moe.planning.fake_fit import PlanConfigError
+from lightning_moe.planning.layouts import Layout, command_line, valid_layouts
+from lightning_moe.planning.planner import Plan, parse_bytes, plan
+
+__all__ = ["PLAN_HELP", "format_plan", "plan_main", "plan_parser", "search_layouts"]
+
+PLAN_HELP = "Plan a fit configuration's per-rank memory and communication (no GPU needed); --search ranks layouts."
+_PROG = "lightning-moe"
+_GIB = 2**30
+
+
+def plan_parser() -> ArgumentParser:
+    """The parser of ``lightning-moe plan``'s own options (the rest is ``fit``'s)."""
+    parser = ArgumentParser(
+        prog=f"{_PROG} plan",
+        description=(
+            f"{PLAN_HELP} Every other option is lightning-moe fit's (--config, --trainer.*, --model.*, --data.*; see "
+            "lightning-moe fit --help): the plan runs that configuration's setup and one training step per pipeline "
+            "stage on fake tensors, as the first rank of each stage, in this process."
+        ),
+    )
+    parser.add_argument("--json", action="store_true", help="Print one JSON object (per_rank, per_stage, layout, ...).")
+    parser.add_argument(
+        "--gpu_memory", default=None,
+        help="The device's memory (e.g. 80GB, 141GB, 96GiB): say whether the largest rank fits, and the headroom.",
+    )
+    parser.add_argument(
+        "--imbalance", type=float, default=None,
+        help="Routing imbalance: every expert receives this times its balanced share of rows (default: the "
+        "configured capacity_factor, else 1.0 with a warning).",
+    )
+    parser.add_argument(
+        "--search", action="store_true",
+        help="Plan every valid layout of the configured world size (TP, CP, PP, EP, ETP, NO_SHARD/FULL_SHARD) and "
+        "rank those that fit by peak and communication, with the command line that runs each (one plan per "
+        "layout: minutes for a large model).",
+    )
+    parser.add_argument("--search_top", type=int, default=10, help="--search: how many layouts to print.")
+    return parser
+
+
+_OWN_FLAGS = {"--json": False, "--search": False, "--gpu_memory": True, "--imbalance": True, "--search_top": True}
+
+
+def _split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(plan's own options, fit's)."""
+    own, fit, i = [], [], 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if name in _OWN_FLAGS:
+            takes_value = _OWN_FLAGS[name] and "=" not in argv[i]
+            own += argv[i : i + 1 + takes_value]
+            i += 1 + takes_value
+        else:
+            fit.append(argv[i])
+            i += 1
+    return own, fit
+
+
+def plan_main(argv: list[str]) -> Plan | list[tuple[Layout, Plan]]:
+    """``lightning-moe plan ARGV``: plan and print; a configuration the planner cannot run exits with
+    status 2 and a one-line message."""
+    if any(a in ("-h", "--help") for a in argv):
+        plan_parser().print_help()
+        raise SystemExit(0)
+    own, fit_args = _split_args(argv)
+    options = plan_parser().parse_args(own)
+    try:
+        gpu_memory = None if options.gpu_memory is None else parse_bytes(options.gpu_memory)
+        if options.search:
+            ranked = search_layouts(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory,
+                                    progress=lambda text: print(text, file=sys.stderr, flush=True))
+            _print_search(ranked, fit_args, gpu_memory, options.search_top, options.json)
+            return ranked
+        result = plan(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory)
+    except (PlanConfigError, ValueError) as err:
+        print(f"{_PROG} plan: error: {' '.join(str(err).split())}", file=sys.stderr)
+        raise SystemExit(2) from err
+    print(json.dumps(result.to_json(), indent=2) if options.json else format_plan(result))
+    return result
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    """Bytes in the unit that reads best: GiB from 1 GiB on, MiB from 1 MiB, else KiB."""
+    for unit, size in (("GiB", _GIB), ("MiB", 2**20)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n / 2**10:,.2f} KiB"
+
+
+def format_plan(result: Plan) -> str:
+    """The plan as text: the layout, the largest rank's bytes, every stage, fit, communication, warnings."""
+    d, largest = result.dims, result.largest
+    lines = [
+        f"lightning-moe plan: {d.describe()}, {result.sharding_strategy}, {result.precision}, "
+        f"{result.num_nodes} node(s) x {result.devices_per_node} devices, routing imbalance {result.imbalance:g}",
+        f"largest rank: {largest.step.rank} (pipeline stage {largest.stage})",
+    ]
+    labels = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states",
+              "activation_bytes": "activations and buffers at the peak", "peak_bytes": "peak"}
+    for key, value in largest.bytes().items():
+        lines.append(f"  {labels[key]:<38}{_gib(value):>14}")
+    if result.fits is not None:
+        gpu = _gib(result.gpu_memory)
+        verdict = (f"fits in {gpu}: yes, {_gib(result.headroom)} headroom" if result.fits
+                   else f"fits in {gpu}: NO, short by {_gib(-result.headroom)}")
+        lines.append(verdict)
+    if len(result.stages) > 1:
+        lines.append("per pipeline stage (its first rank):")
+        for stage in result.stages:
+            b = stage.bytes()
+            lines.append(f"  stage {stage.stage} (rank {stage.step.rank}): params {_gib(b['params_bytes'])}, "
+                         f"optimizer {_gib(b['optimizer_bytes'])}, peak {_gib(b['peak_bytes'])}")
+    lines.append(f"collective buffers per step, rank {largest.step.rank}:")
+    for kind, value in largest.communication.items():
+        if value:
+            lines.append(f"  {kind.replace('_', ' '):<38}{_gib(value):>14}")
+    lines += [f"warning: {w}" for w in result.warnings]
+    return "\n".join(lines)
+
+
+# -- --search ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Shape:
+    num_experts: int
+    num_attention_heads: int
+    num_kv_heads: int
+    num_layers: int
+    seq_len: int
+    batch_size: int
+    vocab_size: int
+    hidden_size: int
+
+
+def _model_shape(fit_args: list[str]) -> tuple[int, _Shape, dict[str, Any]]:
+    """(world size, the reference model's and data's sizes, the strategy's pipeline options)."""
+    import tempfile
+
+    from lightning_moe.planning.fake_fit import _data_shape, _is_reference, _plan_cli
+
+    with tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
+        cli = _plan_cli(fit_args, 1, root)
+    if not _is_reference(cli):
+        raise PlanConfigError("--search needs the reference MoELanguageModel (it reads the model's sizes); plan your "
+                              "own model's layouts one by one without --search.")
+    config, strategy = cli.model.config, cli.trainer.strategy
+    seq_len, batch_size = _data_shape(cli)
+    shape = _Shape(config.moe.num_experts, config.num_attention_heads, config.num_kv_heads, config.num_layers,
+                   seq_len, batch_size, config.vocab_size, config.hidden_size)
+    return strategy.num_nodes * strategy.num_processes, shape, {"num_microbatches": strategy.num_microbatches}
+
+
+def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_memory: int | None = None,
+                   progress=None) -> list[tuple[Layout, Plan]]:
+    """Plan every valid layout of the configuration's world size; returns ``(layout, plan)`` pairs,
+    those that fit first (all, without ``gpu_memory``), each group by peak, then by communication bytes."""
+    world, shape, pipeline = _model_shape(fit_args)
+    layouts = valid_layouts(
+        world, num_experts=shape.num_experts, num_attention_heads=shape.num_attention_heads,
+        num_kv_heads=shape.num_kv_heads, num_layers=shape.num_layers, seq_len=shape.seq_len,
+        batch_size=shape.batch_size, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, **pipeline,
+    )
+    planned = []
+    for i, layout in enumerate(layouts):
+        if progress is not None:
+            progress(f"[{i + 1}/{len(layouts)}] {layout.describe()}")
+        args = [*fit_args, *_layout_overrides(layout)]
+        try:
+            planned.append((layout, plan(args, imbalance=imbalance, gpu_memory=gpu_memory)))
+        except (PlanConfigError, ValueError) as err:  # a check of the real setup refused it
+            if progress is not None:
+                progress(f"  skipped: {' '.join(str(err).split())[:200]}")
+
+    def key(item: tuple[Layout, Plan]) -> tuple:
+        _, p = item
+        return (p.fits is False, p.largest.step.peak_bytes, sum(p.largest.communication.values()))
+
+    return sorted(planned, key=key)
+
+
+def _layout_overrides(layout: Layout) -> list[str]:
+    return [f"--trainer.strategy.init_args.{name}={value}" for name, value in layout.strategy_args().items()]
+
+
+def _print_search(ranked, fit_args, gpu_memory, top, as_json) -> None:
+    if as_json:
+        print(json.dumps([{"layout": p.layout(), "command": command_line(fit_args, layout), **p.to_json()}
+                          for layout, p in ranked[:top]], indent=2))
+        return
+    fitting = [item for item in ranked if item[1].fits is not False]
+    head = f"{len(fitting)} of {len(ranked)} layouts fit" if gpu_memory is not None else f"{len(ranked)} layouts"
+    print(f"lightning-moe plan --search: {head}; best first (peak, then collective bytes per step):")
+    for layout, p in ranked[:top]:
+        comm = sum(p.largest.communication.values())
+        fit = "" if p.fits is None else ("fits" if p.fits else "does not fit")
+        print(f"  {layout.describe():<40} peak {_gib(p.largest.step.peak_bytes):>12}  collectives {_gib(comm):>12}  {fit}")
+        print(f"    {command_line(fit_args, layout)}")

@@ -1,0 +1,195 @@
+"""`plan`: the memory and communication of one training step of a ``lightning-moe fit`` configuration,
+per rank, before any GPU is rented.
+
+Runs the configuration's real setup and training step (`lightning_moe.planning.fake_fit`) once per
+distinct rank role: the first rank of every pipeline stage (ranks of one stage hold the same shapes:
+the layouts shard evenly, routing is taken balanced times ``imbalance``). The largest of them is
+the answer; every stage is reported.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.planning.fake_fit import (
+    AwaitsObject,
+    FakeObjects,
+    PlanConfigError,
+    RankStep,
+    fake_fit_rank,
+    read_layout,
+)
+from lightning_moe.planning.layouts import cross_node_warnings
+from lightning_moe.planning.step_probe import Collective
+
+__all__ = ["COMMUNICATION_KINDS", "Plan", "StagePlan", "parse_bytes", "plan"]
+
+COMMUNICATION_KINDS = (
+    "token_dispatch", "tensor_parallel", "context_parallel", "fsdp", "gradient_reduction", "pipeline", "other",
+)
+"""The kinds of collectives a plan sums bytes for (see `classify_collective`)."""
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"141e9"`` or an int, as bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise PlanConfigError(f"cannot read {text!r} as a memory size: write e.g. 80GB, 141GB or 96GiB.")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage's planned rank: its `RankStep` and the bytes per kind of collective."""
+
+    stage: int
+    step: RankStep
+    communication: dict[str, int]
+
+    def bytes(self) -> dict[str, int]:
+        """The five numbers of ``per_rank`` in ``--json``."""
+        step = self.step
+        return {
+            "params_bytes": step.params_bytes, "grads_bytes": step.grads_bytes,
+            "optimizer_bytes": step.optimizer_bytes, "activation_bytes": step.activation_bytes,
+            "peak_bytes": step.peak_bytes,
+        }
+
+
+@dataclass
+class Plan:
+    """What `plan` found: every stage's planned rank, the layout, and whether the largest fits."""
+
+    args: list[str]
+    dims: ParallelDims
+    sharding_strategy: str
+    precision: str
+    devices_per_node: int
+    num_nodes: int
+    imbalance: float
+    stages: list[StagePlan]
+    gpu_memory: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def largest(self) -> StagePlan:
+        """The stage whose rank peaks highest."""
+        return max(self.stages, key=lambda s: s.step.peak_bytes)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the largest rank's peak fits ``gpu_memory`` (None without it)."""
+        return None if self.gpu_memory is None else self.largest.step.peak_bytes <= self.gpu_memory
+
+    @property
+    def headroom(self) -> int | None:
+        """``gpu_memory`` minus the largest peak (negative: short by that much)."""
+        return None if self.gpu_memory is None else self.gpu_memory - self.largest.step.peak_bytes
+
+    def layout(self) -> dict[str, Any]:
+        """The layout's sizes, as ``--json`` gives them."""
+        d = self.dims
+        return {
+            "world_size": d.world_size, "num_nodes": self.num_nodes, "devices_per_node": self.devices_per_node,
+            "tensor_parallel_size": d.tp, "context_parallel_size": d.cp, "pipeline_parallel_size": d.pp,
+            "data_parallel_size": d.dp, "expert_parallel_size": d.ep, "expert_tensor_parallel_size": d.etp,
+            "expert_data_parallel_size": d.edp, "sharding_strategy": self.sharding_strategy,
+            "precision": self.precision,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """One JSON object: ``per_rank`` (the largest rank), ``per_stage``, ``layout``, ``communication_bytes``,
+        ``gpu_memory_bytes``, ``fits``, ``headroom_bytes``, ``imbalance``, ``warnings``."""
+        largest = self.largest
+        return {
+            "per_rank": {"rank": largest.step.rank, "stage": largest.stage, **largest.bytes()},
+            "per_stage": [{"stage": s.stage, "rank": s.step.rank, **s.bytes(), "communication_bytes": s.communication}
+                          for s in self.stages],
+            "layout": self.layout(),
+            "communication_bytes": largest.communication,
+            "gpu_memory_bytes": self.gpu_memory, "fits": self.fits, "headroom_bytes": self.headroom,
+            "imbalance": self.imbalance, "warnings": list(self.warnings),
+        }
+
+
+def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | str | None = None,
+         measure_step: int = 1) -> Plan:
+    """Plan ``lightning-moe fit ARGS``: run its setup and step as the first rank of every pipeline stage.
+
+    ``imbalance``: routing imbalance (each expert gets this times its balanced share); default
+    the configured ``capacity_factor`` when there is one (dropped rows bound what an expert gets),
+    else 1.0, which a real router exceeds: the report says so. ``gpu_memory``: the device's bytes
+    (or e.g. ``"80GB"``) to say whether the largest rank fits.
+    """
+    layout = read_layout(args)
+    dims = layout.dims
+    warnings = cross_node_warnings(dims, layout.devices_per_node) if layout.num_nodes > 1 else []
+    if imbalance is None:
+        imbalance = layout.capacity_factor or 1.0
+        if layout.capacity_factor is None and layout.has_experts:
+            warnings.append(
+                "routing is planned perfectly balanced (--imbalance 1.0); real routers are not: plan with "
+                "--imbalance 1.2 or more to leave room for the busiest expert."
+            )
+    roles = {stage: min(r for r in range(dims.world_size) if dims.coords(r).pp == stage) for stage in range(dims.pp)}
+    objects, done, pending = FakeObjects(), {}, list(roles.items())
+    while pending:
+        progressed, waiting = False, []
+        for stage, rank in pending:
+            try:
+                done[stage] = fake_fit_rank(args, rank, dims.world_size, imbalance=imbalance,
+                                            measure_step=measure_step, objects=objects)
+                progressed = True
+            except AwaitsObject:
+                waiting.append((stage, rank))
+        if waiting and not progressed:
+            raise PlanConfigError(f"the ranks {[r for _, r in waiting]} wait for each other's objects; cannot plan.")
+        pending = waiting
+    stages = [StagePlan(s, done[s], communication_bytes(done[s].collectives, dims, done[s].rank,
+                                                        layout.sharding_strategy))
+              for s in sorted(done)]
+    return Plan(list(args), dims, layout.sharding_strategy, layout.precision, layout.devices_per_node,
+                layout.num_nodes, imbalance, stages, None if gpu_memory is None else parse_bytes(gpu_memory), warnings)
+
+
+def classify_collective(c: Collective, groups: dict[str, tuple[int, ...]], fsdp: bool) -> str:
+    """The kind of ``c`` (one of `COMMUNICATION_KINDS`), by what issued it and over which group:
+    sends of ring attention are context parallelism's, other sends and receives the pipeline's;
+    all-to-alls and the expert layers' gathers (ETP, the allgather dispatcher) move tokens; the
+    gradient sync's reductions are the data-parallel reduction; then by group: the TP group's are
+    tensor parallelism's, FSDP2's data-parallel gathers and scatters under ``FULL_SHARD`` FSDP's, the
+    CP group's context parallelism's; anything else (norms, loss and statistics reductions) other."""
+    if c.kind in ("send", "recv"):
+        return "context_parallel" if c.site == "ring_attention.py" else "pipeline"
+    if c.kind == "all_to_all" or (c.site in ("collectives.py", "allgather.py") and (c.module or "").startswith("layers")
+                                  and c.kind in ("all_gather", "reduce_scatter")):
+        return "token_dispatch"
+    if c.site in ("grad_sync.py", "sharded_grad_sync.py"):
+        return "gradient_reduction"
+    if c.ranks == groups["tp"] and len(c.ranks) > 1:
+        return "tensor_parallel"
+    if fsdp and c.kind in ("all_gather", "reduce_scatter") and c.ranks in (groups["dp_cp"], groups["edp"], groups["dp"]):
+        return "fsdp"
+    if c.ranks == groups["cp"] and len(c.ranks) > 1:
+        return "context_parallel"
+    return "other"
+
+
+def communication_bytes(collectives: list[Collective], dims: ParallelDims, rank: int,
+                        sharding_strategy: str) -> dict[str, int]:
+    """Bytes of the buffers of ``collectives`` (their first tensor) per kind, for ``rank`` of ``dims``."""
+    groups = {name: tuple(dims.group_of(name, rank)) for name in ("tp", "cp", "dp", "dp_cp", "edp")}
+    totals = Counter({kind: 0 for kind in COMMUNICATION_KINDS})
+    for c in collectives:
+        totals[classify_collective(c, groups, sharding_strategy != "NO_SHARD")] += c.nbytes
+    return dict(totals)
