@@ -17,7 +17,9 @@ a TP, CP, EP or ETP group that spans nodes. ``--json`` prints one JSON object in
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +92,10 @@ def plan_main(argv: list[str]) -> Plan | list[tuple[Layout, Plan]]:
         raise SystemExit(0)
     own, fit_args = _split_args(argv)
     options = plan_parser().parse_args(own)
+    # Lightning's start-up lines (accelerators, seed) describe the planner's own CPU run, not the plan.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    warnings.simplefilter("ignore")  # likewise its warnings (no validation loader, deprecations)
     try:
         gpu_memory = None if options.gpu_memory is None else parse_bytes(options.gpu_memory)
         if options.search:

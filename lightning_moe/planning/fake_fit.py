@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -217,8 +218,10 @@ def _plan_cli(args: list[str], measure_step: int, root: str):
         f"--trainer.default_root_dir={root}",
     ]
     args = list(args[1:] if args[:1] == ["fit"] else args)
-    return PlanCLI(L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
-                   args=[*args, *overrides])
+    # LightningCLI warns when given args while the command line has others (the plan command's own).
+    with mock.patch.object(sys, "argv", sys.argv[:1]):
+        return PlanCLI(L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
+                       args=[*args, *overrides])
 
 
 def _is_memory_callback(spec: Any) -> bool:
@@ -277,7 +280,7 @@ def _routing_answers(cli, imbalance: float) -> dict[str, Any]:
     if moe is not None and _is_reference(cli):
         seq_len, batch_size = _data_shape(cli)
         dims = strategy.parallel_dims(strategy.num_nodes * strategy.num_processes)
-        micro_batch = batch_size // max(1, getattr(strategy, "num_microbatches", 1) if dims.pp > 1 else 1)
+        micro_batch = batch_size // strategy.num_microbatches
         local_tokens = micro_batch * seq_len // (dims.tp * dims.cp)
         rows = math.ceil(local_tokens * moe.top_k / moe.num_experts * imbalance)
     return {

@@ -164,6 +164,12 @@ def _fake_data_ptr(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata + tensor.storage_offset() * tensor.element_size()
 
 
+def _fake_storage_ptr(storage: torch.UntypedStorage) -> int:
+    # A fake tensor's storage has address 0 too: code that tells storages apart by address (the expert
+    # kernels' gradient workspace) would take every two for one. Its StorageImpl's address is its own.
+    return storage._cdata
+
+
 _REDUCE_OPS = {int(getattr(dist.ReduceOp.RedOpType, name)): name.lower() for name in dist.ReduceOp.RedOpType.__members__}
 
 
@@ -308,10 +314,13 @@ class StepProbe(LiveBytes):
     @contextmanager
     def patched(self) -> Iterator[None]:
         """Route ``FakeTensor.tolist`` and ``torch.cuda.synchronize`` through the probe, give fake
-        tensors addresses (`_fake_data_ptr`) and mark DTensor's shape propagation (`_propagation`)."""
+        tensors and their storages addresses (`_fake_data_ptr`, `_fake_storage_ptr`) and mark DTensor's
+        shape propagation (`_propagation`)."""
         propagator = ShardingPropagator._propagate_tensor_meta_non_cached
+        storage_ptr = torch.UntypedStorage.data_ptr
         with mock.patch.object(FakeTensor, "tolist", lambda tensor: self._tolist(tensor)), \
                 mock.patch.object(FakeTensor, "data_ptr", _fake_data_ptr), \
+                mock.patch.object(torch.UntypedStorage, "data_ptr", lambda s: storage_ptr(s) or _fake_storage_ptr(s)), \
                 mock.patch.object(torch.cuda, "synchronize", self._synchronize), \
                 mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", self._propagation(propagator)):
             yield

@@ -213,6 +213,11 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
         return [] if runner is None else list(runner.modules)
 
     @property
+    def num_microbatches(self) -> int:
+        """Micro-batches each batch is split into by the pipeline schedule (1 without PP)."""
+        return 1 if self._pipeline is None else self._pipeline.num_microbatches
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """The dense mesh with Lightning's dim names (pipeline/data/context/tensor_parallel)."""
         if self._device_mesh is None:

@@ -1,0 +1,59 @@
+"""`lightning-moe plan` against a real CPU run of the same configuration.
+
+The oracle is `helpers.step_memory.measure_fit`: the configuration trained for real on forked gloo
+ranks, its second optimizer step measured with real tensors (`StepMemoryMeter`), routing exactly
+balanced (`exactly_balanced_routing`: the routing the planner assumes at ``imbalance=1``). The
+planner runs the same configuration on fake tensors as one rank of a fake world. Parameter,
+gradient and optimizer bytes must be equal; activation and peak bytes within 10%, per pipeline
+stage (the largest rank of the stage in the real run).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from helpers.step_memory import measure_fit
+
+from lightning_moe.parallel import ParallelDims
+from lightning_moe.planning import plan
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny_cpu.yaml")
+WORLD = 4
+_S = "--trainer.strategy.init_args."
+LAYOUTS = {
+    "tp2-ep4": [],  # the configuration as it is
+    "pp2-ep2": [f"{_S}pipeline_parallel_size=2", f"{_S}num_microbatches=2", f"{_S}tensor_parallel_size=1",
+                f"{_S}expert_parallel_size=2"],
+    "cp2-ep2": [f"{_S}context_parallel_size=2", f"{_S}tensor_parallel_size=1", f"{_S}expert_parallel_size=2"],
+    "full-shard-ep4": [f"{_S}sharding_strategy=FULL_SHARD", f"{_S}tensor_parallel_size=1"],
+}
+EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes")
+WITHIN_10_PERCENT = ("activation_bytes", "peak_bytes")
+
+
+@functools.cache
+def _planned_and_measured(name: str):
+    args = ["--config", CONFIG, *LAYOUTS[name]]
+    return plan(args), measure_fit(args, WORLD, balanced_routing=True)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_plan_equals_a_real_run(name):
+    planned, measured = _planned_and_measured(name)
+    dims: ParallelDims = planned.dims
+    assert len(planned.stages) == dims.pp
+    for stage in planned.stages:
+        ranks = [r for r in range(WORLD) if dims.coords(r).pp == stage.stage]
+        real = max((measured[r] for r in ranks), key=lambda m: m["peak_bytes"])
+        want = stage.bytes()
+        for key in EXACT:
+            assert want[key] == real[key], (name, stage.stage, key, want[key], real[key])
+        for key in WITHIN_10_PERCENT:
+            ratio = want[key] / real[key]
+            assert 0.9 <= ratio <= 1.1, (name, stage.stage, key, want[key], real[key], ratio)
+    # The largest rank of the plan is the largest stage's.
+    assert planned.largest.step.peak_bytes == max(s.step.peak_bytes for s in planned.stages)
