@@ -392,7 +392,7 @@ class FakeObjects:
 def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objects: FakeObjects) -> Iterator[None]:
     """Patch ``MoEStrategy`` so that the model's tensors are fake from materialisation on, and the
     step, backward and optimizer step run under ``FakeTensorMode``, watched by a `StepProbe`."""
-    from lightning_moe.strategies import moe_strategy
+    from lightning_moe.strategies import model_setup, moe_strategy
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = ModTracker()
@@ -441,7 +441,18 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objec
 
         if gpu:  # the experts compute in bf16 under autocast as on a GPU (a CPU does only with bf16 units)
             stack.enter_context(mock.patch.object(expert_kernels, "cpu_has_bf16_units", lambda: True))
+        def faked_function(module, name: str):
+            real = getattr(module, name)
+
+            def run(*args, **kwargs):
+                with fake:
+                    return real(*args, **kwargs)
+
+            return mock.patch.object(module, name, run)
+
         for patch in (
+            # Under PP the model is materialised (then sharded) before the strategy's own call.
+            faked_function(model_setup, "materialize"), faked_function(model_setup, "shard_split_model"),
             mock.patch.object(moe_strategy, "materialize", materialize),
             mock.patch.object(moe_strategy, "make_grad_sync", grad_sync),
             # Fake tensors are on the CPU already (and cannot be swapped into a module by .to()).

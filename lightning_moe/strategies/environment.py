@@ -41,6 +41,14 @@ class ExistingProcessGroupEnvironment(ClusterEnvironment):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ExistingProcessGroupEnvironment needs torch.distributed to be initialised first.")
         self._per_node = processes_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self._per_node_given = processes_per_node is not None or "LOCAL_WORLD_SIZE" in os.environ
+
+    def use_processes_per_node(self, processes_per_node: int) -> None:
+        """The Trainer's ``devices``: the processes per node, unless given at construction or by
+        ``LOCAL_WORLD_SIZE`` (a group made before the Trainer knows no node size: each node's ranks
+        would otherwise be taken for one node's, and a rank past the first node has no device)."""
+        if not self._per_node_given:
+            self._per_node = processes_per_node
 
     @property
     def creates_processes_externally(self) -> bool:

@@ -264,6 +264,8 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
             self.cluster_environment, ExistingProcessGroupEnvironment
         ):
             self.cluster_environment = ExistingProcessGroupEnvironment(self.num_processes or None)
+        if isinstance(self.cluster_environment, ExistingProcessGroupEnvironment) and self.num_processes:
+            self.cluster_environment.use_processes_per_node(self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = MoESubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
