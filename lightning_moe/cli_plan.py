@@ -25,8 +25,8 @@ from typing import Any
 
 from jsonargparse import ArgumentParser
 
-from lightning_moe.planning.fake_fit import PlanConfigError
 from lightning_moe.planning.layouts import Layout, command_line, valid_layouts
+from lightning_moe.planning.plan_config import PlanConfigError, data_shape, is_reference, plan_cli
 from lightning_moe.planning.planner import Plan, parse_bytes, plan
 
 __all__ = ["PLAN_HELP", "format_plan", "plan_main", "plan_parser", "search_layouts"]
@@ -172,15 +172,13 @@ def _model_shape(fit_args: list[str]) -> tuple[int, _Shape, dict[str, Any]]:
     """(world size, the reference model's and data's sizes, the strategy's pipeline options)."""
     import tempfile
 
-    from lightning_moe.planning.fake_fit import _data_shape, _is_reference, _plan_cli
-
     with tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
-        cli = _plan_cli(fit_args, 1, root)
-    if not _is_reference(cli):
+        cli = plan_cli(fit_args, 1, root)
+    if not is_reference(cli):
         raise PlanConfigError("--search needs the reference MoELanguageModel (it reads the model's sizes); plan your "
                               "own model's layouts one by one without --search.")
     config, strategy = cli.model.config, cli.trainer.strategy
-    seq_len, batch_size = _data_shape(cli)
+    seq_len, batch_size = data_shape(cli)
     shape = _Shape(config.moe.num_experts, config.num_attention_heads, config.num_kv_heads, config.num_layers,
                    seq_len, batch_size, config.vocab_size, config.hidden_size)
     return strategy.num_nodes * strategy.num_processes, shape, {"num_microbatches": strategy.num_microbatches}

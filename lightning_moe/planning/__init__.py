@@ -2,7 +2,7 @@
 ``lightning-moe fit`` configuration (`plan`, run on fake tensors as one rank of a fake world), and
 which parallel layouts fit a world of ranks, a model and its data."""
 
-from lightning_moe.planning.fake_fit import PlanConfigError, RankStep
+from lightning_moe.planning.fake_fit import RankStep
 from lightning_moe.planning.layouts import (
     STRATEGY_CLASS_PATH,
     Layout,
@@ -10,6 +10,7 @@ from lightning_moe.planning.layouts import (
     cross_node_warnings,
     valid_layouts,
 )
+from lightning_moe.planning.plan_config import PlanConfigError
 from lightning_moe.planning.planner import COMMUNICATION_KINDS, Plan, StagePlan, parse_bytes, plan
 
 __all__ = [

@@ -31,10 +31,8 @@ allocated bytes), NCCL's own buffers, CUDA and library workspaces.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -50,30 +48,14 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe.layers import expert_kernels
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
-from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.fake_world import fake_rank
 from lightning_moe.planning.gpu_path import take_the_gpu_path
 from lightning_moe.planning.live_bytes import follow_fsdp_resizes
+from lightning_moe.planning.plan_config import PlanConfigError, data_shape, is_reference, plan_cli
 from lightning_moe.planning.step_probe import Collective, StepProbe
 
-__all__ = [
-    "MEMORY_CALLBACKS", "AwaitsObject", "FakeObjects", "PlanConfigError", "PlannedLayout", "RankStep", "fake_fit_rank",
-    "read_layout",
-]
-
-MEMORY_CALLBACKS = (
-    "lightning_moe.callbacks.SelectiveRecompute",
-    "lightning_moe.callbacks.ActivationOffload",
-    "lightning_moe.callbacks.CUDAGraphCapture",
-)
-"""The callbacks of a configuration the planner keeps: they change what a step holds."""
-
-_GPU_ACCELERATORS = ("gpu", "cuda", "auto")
-
-
-class PlanConfigError(ValueError):
-    """The configuration cannot be planned; the message says why and what to change."""
-
+__all__ = ["RankStep", "fake_fit_rank"]
 
 @dataclass
 class RankStep:
@@ -117,7 +99,7 @@ def fake_fit_rank(
     if imbalance < 1:
         raise PlanConfigError(f"imbalance must be >= 1 (1 = perfectly balanced routing), got {imbalance}.")
     with fake_rank(rank, world_size), tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
-        cli = _plan_cli(args, measure_step, root)
+        cli = plan_cli(args, measure_step, root)
         trainer, module = cli.trainer, cli.model
         loader = _loader(cli, world_size, measure_step)
         meter = _StepMeter(measure_step, trainer.accumulate_grad_batches)
@@ -138,127 +120,17 @@ def fake_fit_rank(
         return meter.result
 
 
-# -- the configuration ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlannedLayout:
-    """What a configuration asks for, read without running it (`read_layout`)."""
-
-    dims: ParallelDims
-    sharding_strategy: str
-    precision: str
-    """As configured (the planner runs ``16-mixed`` as ``bf16-mixed``)."""
-    devices_per_node: int
-    num_nodes: int
-    capacity_factor: float | None
-    has_experts: bool
-
-
-def read_layout(args: list[str]) -> PlannedLayout:
-    """Parse and check ``lightning-moe fit ARGS`` as ``fit`` does before it launches, without running it."""
-    with tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
-        cli = _plan_cli(args, 1, root)
-    strategy = cli.trainer.strategy
-    if not hasattr(type(strategy), "parallel_context"):
-        raise PlanConfigError(
-            f"the planner plans MoEStrategy runs; the configuration's strategy is {type(strategy).__name__}: set "
-            "trainer.strategy to lightning_moe.strategies.MoEStrategy (or 'moe')."
-        )
-    moe = getattr(getattr(cli.model, "config", None), "moe", None)
-    return PlannedLayout(
-        strategy.parallel_dims(strategy.num_nodes * strategy.num_processes), strategy.sharding_strategy,
-        cli.precision, strategy.num_processes, strategy.num_nodes,
-        getattr(moe, "capacity_factor", None), any(True for _ in _expert_layers(cli.model)),
-    )
-
-
-def _expert_layers(module):
-    from lightning_moe.layers.moe import MoELayer
-
-    config = getattr(module, "config", None)
-    if getattr(config, "moe", None) is not None:  # the reference model, built only in configure_model
-        yield config.moe
-    yield from (m for m in module.modules() if isinstance(m, MoELayer))
-
-
-def _plan_cli(args: list[str], measure_step: int, root: str):
-    from jsonargparse import set_parsing_settings
-
-    from lightning_moe.cli import MoECLI, check_config_before_launch, check_layout_before_launch
-
-    class PlanCLI(MoECLI):
-        """``lightning-moe fit``'s parser and checks, the run shortened to the planned step."""
-
-        planned_for_gpu = False
-        precision = "32-true"
-
-        def before_instantiate_classes(self) -> None:
-            super().before_instantiate_classes()
-            trainer = self.config.trainer
-            self.planned_for_gpu = str(trainer.get("accelerator") or "auto") in _GPU_ACCELERATORS
-            self.precision = str(trainer.get("precision") or "32-true")
-            trainer.accelerator = "cpu"
-            if str(trainer.get("precision")) in ("16-mixed", "16"):
-                trainer.precision = "bf16-mixed"  # the same bytes; CPU autocast runs bf16
-            callbacks = trainer.get("callbacks") or []
-            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-            trainer.callbacks = [c for c in callbacks if _is_memory_callback(c)]
-
-        def after_instantiate_classes(self) -> None:
-            check_layout_before_launch(self.model, self.trainer.strategy)
-            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, "fit")
-
-    # The parser settings of lightning_moe.cli.cli_main.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True, instantiate_subclass_spec_in_any=False)
-    overrides = [
-        f"--trainer.max_steps={measure_step + 1}", "--trainer.max_epochs=-1", "--trainer.logger=false",
-        "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
-        f"--trainer.default_root_dir={root}",
-    ]
-    args = list(args[1:] if args[:1] == ["fit"] else args)
-    # LightningCLI warns when given args while the command line has others (the plan command's own).
-    with mock.patch.object(sys, "argv", sys.argv[:1]):
-        return PlanCLI(L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
-                       args=[*args, *overrides])
-
-
-def _is_memory_callback(spec: Any) -> bool:
-    class_path = str(spec.get("class_path")) if hasattr(spec, "get") else f"{type(spec).__module__}.{type(spec).__name__}"
-    if class_path in MEMORY_CALLBACKS:
-        return True
-    module_name, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError):
-        return False
-    wanted = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in MEMORY_CALLBACKS]
-    return isinstance(cls, type) and issubclass(cls, tuple(wanted))
-
-
-def _is_reference(cli) -> bool:
-    from lightning_moe.lit import MoELanguageModel, TextDataModule
-
-    return isinstance(cli.model, MoELanguageModel) and (cli.datamodule is None or isinstance(cli.datamodule, TextDataModule))
+# -- the data ------------------------------------------------------------------------------------
 
 
 def _loader(cli, world_size: int, measure_step: int) -> torch.utils.data.DataLoader | None:
     """Synthetic ``(inputs, targets)`` batches of the configured shape for the reference model;
     None: fit with the configuration's own datamodule."""
-    if not _is_reference(cli):
+    if not is_reference(cli):
         return None
-    seq_len, batch_size = _data_shape(cli)
+    seq_len, batch_size = data_shape(cli)
     batches = (measure_step + 2) * cli.trainer.accumulate_grad_batches * world_size
     return torch.utils.data.DataLoader(_Zeros(batches * batch_size, seq_len), batch_size=batch_size)
-
-
-def _data_shape(cli) -> tuple[int, int]:
-    """``(seq_len, batch_size)`` of the reference data (one sequence of ``max_seq_len`` without a datamodule)."""
-    data = cli.datamodule
-    if data is None:
-        return cli.model.config.max_seq_len, 1
-    return int(data.hparams.seq_len), int(data.hparams.batch_size)
 
 
 class _Zeros(torch.utils.data.Dataset):
@@ -277,8 +149,8 @@ def _routing_answers(cli, imbalance: float) -> dict[str, Any]:
     strategy = cli.trainer.strategy
     moe = getattr(getattr(cli.model, "config", None), "moe", None)
     rows = 0
-    if moe is not None and _is_reference(cli):
-        seq_len, batch_size = _data_shape(cli)
+    if moe is not None and is_reference(cli):
+        seq_len, batch_size = data_shape(cli)
         dims = strategy.parallel_dims(strategy.num_nodes * strategy.num_processes)
         micro_batch = batch_size // strategy.num_microbatches
         local_tokens = micro_batch * seq_len // (dims.tp * dims.cp)
@@ -339,53 +211,6 @@ class _StepMeter(L.Callback):
             optimizer_bytes=_distinct_bytes(states), peak_bytes=record.peak_bytes, start_bytes=record.start_bytes,
             collectives=list(record.collectives), host_reads=len(record.host_reads),
         )
-
-
-class AwaitsObject(Exception):
-    """A fake rank needs an object another rank computes (a pipeline stage's boundary shapes) that no
-    rank planned so far has sent: plan the sending rank first (`FakeObjects`), then this one again."""
-
-
-class FakeObjects:
-    """``broadcast_object_list`` across the ranks one process plays in turn on the fake backend.
-
-    A fake broadcast sends nothing. Here the source rank's objects are kept, keyed by the call's
-    site and its count there (every rank runs the same code, so the n-th broadcast at a site is the
-    same broadcast on all), and a receiving rank gets them from the store: what the source would
-    have sent. A receiver whose objects the store does not hold yet keeps its own when it has them
-    all (computed alike on every rank: seeds), else raises `AwaitsObject`; the planner then plans
-    the other ranks first and this one again.
-    """
-
-    def __init__(self) -> None:
-        self.sent: dict[tuple[str, int], list] = {}
-        self._calls: dict[str, int] = {}
-
-    def new_rank(self) -> None:
-        """Count the calls of a new rank from zero."""
-        self._calls = {}
-
-    def broadcast_object_list(self, objects: list, src: int | None = None, group=None, device=None,
-                              group_src: int | None = None) -> None:
-        """``torch.distributed.broadcast_object_list`` between fake ranks (class docstring)."""
-        import copy
-        import sys
-
-        import torch.distributed as dist
-
-        caller = sys._getframe(1)
-        site = f"{caller.f_code.co_filename}:{caller.f_lineno}"
-        index = self._calls.get(site, 0)
-        self._calls[site] = index + 1
-        if group_src is not None:
-            src = dist.get_global_rank(group, group_src)
-        key = (site, index)
-        if src == dist.get_rank():
-            self.sent[key] = copy.deepcopy(objects)
-        elif key in self.sent:
-            objects[:] = copy.deepcopy(self.sent[key])
-        elif any(o is None for o in objects):
-            raise AwaitsObject(f"broadcast at {site} (call {index}) from rank {src}")
 
 
 @contextmanager

@@ -15,15 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.planning.fake_fit import (
-    AwaitsObject,
-    FakeObjects,
-    PlanConfigError,
-    RankStep,
-    fake_fit_rank,
-    read_layout,
-)
+from lightning_moe.planning.fake_fit import RankStep, fake_fit_rank
+from lightning_moe.planning.fake_objects import AwaitsObject, FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings
+from lightning_moe.planning.plan_config import PlanConfigError, read_layout
 from lightning_moe.planning.step_probe import Collective
 
 __all__ = ["COMMUNICATION_KINDS", "Plan", "StagePlan", "parse_bytes", "plan"]

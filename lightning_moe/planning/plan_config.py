@@ -1,0 +1,143 @@
+"""A ``lightning-moe fit`` configuration as the planner reads it: the same parser and checks as ``fit``,
+the run shortened to the planned steps and run on the CPU (`plan_cli`), and what it asks for
+(`read_layout`)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import lightning as L
+
+from lightning_moe.parallel.dims import ParallelDims
+
+__all__ = [
+    "MEMORY_CALLBACKS", "PlanConfigError", "PlannedLayout", "data_shape", "is_reference", "plan_cli", "read_layout",
+]
+
+MEMORY_CALLBACKS = (
+    "lightning_moe.callbacks.SelectiveRecompute",
+    "lightning_moe.callbacks.ActivationOffload",
+    "lightning_moe.callbacks.CUDAGraphCapture",
+)
+"""The callbacks of a configuration the planner keeps: they change what a step holds."""
+
+_GPU_ACCELERATORS = ("gpu", "cuda", "auto")
+
+
+class PlanConfigError(ValueError):
+    """The configuration cannot be planned; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    """What a configuration asks for, read without running it (`read_layout`)."""
+
+    dims: ParallelDims
+    sharding_strategy: str
+    precision: str
+    """As configured (the planner runs ``16-mixed`` as ``bf16-mixed``)."""
+    devices_per_node: int
+    num_nodes: int
+    capacity_factor: float | None
+    has_experts: bool
+
+
+def read_layout(args: list[str]) -> PlannedLayout:
+    """Parse and check ``lightning-moe fit ARGS`` as ``fit`` does before it launches, without running it."""
+    with tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
+        cli = plan_cli(args, 1, root)
+    strategy = cli.trainer.strategy
+    if not hasattr(type(strategy), "parallel_context"):
+        raise PlanConfigError(
+            f"the planner plans MoEStrategy runs; the configuration's strategy is {type(strategy).__name__}: set "
+            "trainer.strategy to lightning_moe.strategies.MoEStrategy (or 'moe')."
+        )
+    moe = getattr(getattr(cli.model, "config", None), "moe", None)
+    return PlannedLayout(
+        strategy.parallel_dims(strategy.num_nodes * strategy.num_processes), strategy.sharding_strategy,
+        cli.precision, strategy.num_processes, strategy.num_nodes,
+        getattr(moe, "capacity_factor", None), any(True for _ in _expert_layers(cli.model)),
+    )
+
+
+def _expert_layers(module):
+    from lightning_moe.layers.moe import MoELayer
+
+    config = getattr(module, "config", None)
+    if getattr(config, "moe", None) is not None:  # the reference model, built only in configure_model
+        yield config.moe
+    yield from (m for m in module.modules() if isinstance(m, MoELayer))
+
+
+def plan_cli(args: list[str], measure_step: int, root: str):
+    from jsonargparse import set_parsing_settings
+
+    from lightning_moe.cli import MoECLI, check_config_before_launch, check_layout_before_launch
+
+    class PlanCLI(MoECLI):
+        """``lightning-moe fit``'s parser and checks, the run shortened to the planned step."""
+
+        planned_for_gpu = False
+        precision = "32-true"
+
+        def before_instantiate_classes(self) -> None:
+            super().before_instantiate_classes()
+            trainer = self.config.trainer
+            self.planned_for_gpu = str(trainer.get("accelerator") or "auto") in _GPU_ACCELERATORS
+            self.precision = str(trainer.get("precision") or "32-true")
+            trainer.accelerator = "cpu"
+            if str(trainer.get("precision")) in ("16-mixed", "16"):
+                trainer.precision = "bf16-mixed"  # the same bytes; CPU autocast runs bf16
+            callbacks = trainer.get("callbacks") or []
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            trainer.callbacks = [c for c in callbacks if _is_memory_callback(c)]
+
+        def after_instantiate_classes(self) -> None:
+            check_layout_before_launch(self.model, self.trainer.strategy)
+            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, "fit")
+
+    # The parser settings of lightning_moe.cli.cli_main.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True, instantiate_subclass_spec_in_any=False)
+    overrides = [
+        f"--trainer.max_steps={measure_step + 1}", "--trainer.max_epochs=-1", "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
+        f"--trainer.default_root_dir={root}",
+    ]
+    args = list(args[1:] if args[:1] == ["fit"] else args)
+    # LightningCLI warns when given args while the command line has others (the plan command's own).
+    with mock.patch.object(sys, "argv", sys.argv[:1]):
+        return PlanCLI(L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
+                       args=[*args, *overrides])
+
+
+def _is_memory_callback(spec: Any) -> bool:
+    class_path = str(spec.get("class_path")) if hasattr(spec, "get") else f"{type(spec).__module__}.{type(spec).__name__}"
+    if class_path in MEMORY_CALLBACKS:
+        return True
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    wanted = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in MEMORY_CALLBACKS]
+    return isinstance(cls, type) and issubclass(cls, tuple(wanted))
+
+
+def is_reference(cli) -> bool:
+    from lightning_moe.lit import MoELanguageModel, TextDataModule
+
+    return isinstance(cli.model, MoELanguageModel) and (cli.datamodule is None or isinstance(cli.datamodule, TextDataModule))
+
+
+def data_shape(cli) -> tuple[int, int]:
+    """``(seq_len, batch_size)`` of the reference data (one sequence of ``max_seq_len`` without a datamodule)."""
+    data = cli.datamodule
+    if data is None:
+        return cli.model.config.max_seq_len, 1
+    return int(data.hparams.seq_len), int(data.hparams.batch_size)
