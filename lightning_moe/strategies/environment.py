@@ -47,7 +47,7 @@ class ExistingProcessGroupEnvironment(ClusterEnvironment):
         """The Trainer's ``devices``: the processes per node, unless given at construction or by
         ``LOCAL_WORLD_SIZE`` (a group made before the Trainer knows no node size: each node's ranks
         would otherwise be taken for one node's, and a rank past the first node has no device)."""
-        if not self._per_node_given:
+        if processes_per_node and not self._per_node_given:
             self._per_node = processes_per_node
 
     @property

@@ -212,10 +212,8 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
         runner = None if self._pipeline is None else self._pipeline.runner
         return [] if runner is None else list(runner.modules)
 
-    @property
-    def num_microbatches(self) -> int:
-        """Micro-batches each batch is split into by the pipeline schedule (1 without PP)."""
-        return 1 if self._pipeline is None else self._pipeline.num_microbatches
+    num_microbatches = property(lambda self: 1 if self._pipeline is None else self._pipeline.num_microbatches,
+                                doc="Micro-batches each batch is split into by the pipeline schedule (1 without PP).")
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -264,7 +262,7 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
             self.cluster_environment, ExistingProcessGroupEnvironment
         ):
             self.cluster_environment = ExistingProcessGroupEnvironment(self.num_processes or None)
-        if isinstance(self.cluster_environment, ExistingProcessGroupEnvironment) and self.num_processes:
+        if isinstance(self.cluster_environment, ExistingProcessGroupEnvironment):
             self.cluster_environment.use_processes_per_node(self.num_processes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = MoESubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -498,6 +496,4 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         """Register ``"moe"`` (all sizes 1; set them through the class in code or YAML)."""
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Folded expert/tensor/data parallelism for MoE models"
-        )
+        strategy_registry.register(cls.strategy_name, cls, description="Folded expert/tensor/data parallelism for MoE models")
