@@ -131,9 +131,10 @@ def format_plan(result: Plan) -> str:
         f"largest rank: {largest.step.rank} (pipeline stage {largest.stage})",
     ]
     labels = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states",
-              "activation_bytes": "activations and buffers at the peak", "peak_bytes": "peak"}
-    for key, value in largest.bytes().items():
-        lines.append(f"  {labels[key]:<38}{_gib(value):>14}")
+              "activation_bytes": "activations and buffers at the peak",
+              "dispatch_bytes": "  of which token-dispatch buffers", "peak_bytes": "peak"}
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "dispatch_bytes", "peak_bytes"):
+        lines.append(f"  {labels[key]:<38}{_gib(largest.bytes()[key]):>14}")
     if result.fits is not None:
         gpu = _gib(result.gpu_memory)
         verdict = (f"fits in {gpu}: yes, {_gib(result.headroom)} headroom" if result.fits

@@ -72,6 +72,8 @@ class RankStep:
     """The largest live bytes during the step, everything the rank holds included."""
     start_bytes: int
     """Live bytes when the step began."""
+    dispatch_bytes: int = 0
+    """Of the peak, the token dispatchers' buffers (rows sent, received, regrouped), part of `activation_bytes`."""
     collectives: list[Collective] = field(default_factory=list)
     """The collectives this rank issued during the step."""
     host_reads: int = 0
@@ -209,6 +211,7 @@ class _StepMeter(L.Callback):
         self.result = RankStep(
             rank=-1, params_bytes=_distinct_bytes(pl_module.parameters()), grads_bytes=self._grads,
             optimizer_bytes=_distinct_bytes(states), peak_bytes=record.peak_bytes, start_bytes=record.start_bytes,
+            dispatch_bytes=record.peak_dispatch_bytes,
             collectives=list(record.collectives), host_reads=len(record.host_reads),
         )
 

@@ -52,12 +52,13 @@ class StagePlan:
     communication: dict[str, int]
 
     def bytes(self) -> dict[str, int]:
-        """The five numbers of ``per_rank`` in ``--json``."""
+        """The numbers of ``per_rank`` in ``--json``: ``peak_bytes`` is the sum of the first four;
+        ``dispatch_bytes`` is the token dispatchers' part of ``activation_bytes``."""
         step = self.step
         return {
             "params_bytes": step.params_bytes, "grads_bytes": step.grads_bytes,
             "optimizer_bytes": step.optimizer_bytes, "activation_bytes": step.activation_bytes,
-            "peak_bytes": step.peak_bytes,
+            "peak_bytes": step.peak_bytes, "dispatch_bytes": step.dispatch_bytes,
         }
 
 

@@ -47,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 import lightning_moe
@@ -60,6 +61,8 @@ COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_dtenso
 _PACKAGE = os.path.dirname(os.path.abspath(lightning_moe.__file__)) + os.sep
 # The planner drives a training step from here: its frames are not the product's reading sites.
 _PLANNING = os.path.join(_PACKAGE, "planning") + os.sep
+# Where the token dispatchers' buffers are made (StepRecord.peak_dispatch_bytes).
+_DISPATCH = (os.path.join(_PACKAGE, "parallel", "dispatchers") + os.sep, os.path.join(_PACKAGE, "parallel", "collectives.py"))
 _OPTIM = os.sep + os.path.join("torch", "optim") + os.sep
 
 # Collective ops by kind (in-place c10d ops of torch.distributed, and the functional ops DTensor uses).
@@ -129,6 +132,9 @@ class StepRecord:
     """Live bytes when the step began."""
     peak_bytes: int = 0
     """Largest live bytes during the step."""
+    peak_dispatch_bytes: int = 0
+    """Of ``peak_bytes``, the storages the token dispatchers and their collectives made
+    (``parallel/dispatchers/``, ``parallel/collectives.py``): rows sent, received and regrouped."""
     phase_peaks: dict[str, int] = field(default_factory=dict)
     """Largest live bytes per phase: ``forward``, ``backward`` (micro-batches), ``optimizer``, ``save``."""
     blocks_saved_bytes: int = 0
@@ -155,6 +161,16 @@ def _site(frame, stop_at_optim: bool = False) -> tuple[str, bool]:
             return f"{os.path.basename(filename)}:{frame.f_code.co_name}", True
         frame = frame.f_back
     return "", False
+
+
+def _made_by_dispatcher(frame) -> bool:
+    """Whether the innermost product frame (outside the planner) is a token dispatcher's."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_PACKAGE) and not filename.startswith(_PLANNING):
+            return filename.startswith(_DISPATCH)
+        frame = frame.f_back
+    return False
 
 
 def _fake_data_ptr(tensor: torch.Tensor) -> int:
@@ -202,6 +218,8 @@ class StepProbe(LiveBytes):
         super().__init__()
         self.answers, self.tracker = dict(answers), tracker
         self.record = StepRecord()
+        self._dispatch: dict[int, int] = {}  # storage key -> bytes, of the storages dispatchers made
+        self.live_dispatch = 0
         self._propagating = False
         self.phase = "micro-batch"
         """Set by the step driver: ``micro-batch`` (forward or backward, from the tracker), ``optimizer``
@@ -215,8 +233,19 @@ class StepProbe(LiveBytes):
             self._count(tensor)
 
     def _count(self, tensor: torch.Tensor) -> None:
+        before = self.live
         super()._count(tensor)  # live grows here and in resized: the peaks are updated where it may have
+        if self.live > before and not is_traceable_wrapper_subclass(tensor) and _made_by_dispatcher(sys._getframe(1)):
+            key = tensor.untyped_storage()._cdata
+            with self._lock:
+                self._dispatch[key] = self.live - before
+                self.live_dispatch += self.live - before
         self._update_peaks()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        super()._release(key, nbytes)
+        with self._lock:
+            self.live_dispatch -= self._dispatch.pop(key, 0)
 
     def resized(self, tensor: torch.Tensor, before: int) -> None:
         """As `LiveBytes.resized`, and the step's peaks follow."""
@@ -224,13 +253,16 @@ class StepProbe(LiveBytes):
         self._update_peaks()
 
     def _update_peaks(self) -> None:
-        self.record.peak_bytes = max(self.record.peak_bytes, self.live)
+        if self.live > self.record.peak_bytes:
+            self.record.peak_bytes, self.record.peak_dispatch_bytes = self.live, self.live_dispatch
         phase = self.phase if self.phase != "micro-batch" else ("backward" if self.tracker.is_bw else "forward")
         self.record.phase_peaks[phase] = max(self.record.phase_peaks.get(phase, 0), self.live)
 
     def new_step(self) -> StepRecord:
         """Start recording a new step; returns the finished one."""
-        done, self.record = self.record, StepRecord(start_bytes=self.live, peak_bytes=self.live)
+        done, self.record = self.record, StepRecord(
+            start_bytes=self.live, peak_bytes=self.live, peak_dispatch_bytes=self.live_dispatch
+        )
         return done
 
     # -- host reads -----------------------------------------------------------------------------

@@ -64,6 +64,8 @@ def test_imbalance_grows_only_what_routing_sizes():
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
         assert b[key] == s[key]
     assert s["activation_bytes"] > b["activation_bytes"]
+    # The growth is the dispatchers' (the rows each expert receives), and they are part of the activations.
+    assert 0 < b["dispatch_bytes"] < s["dispatch_bytes"] <= s["activation_bytes"]
     assert skewed.largest.communication["token_dispatch"] > balanced.largest.communication["token_dispatch"]
 
 
