@@ -192,3 +192,22 @@ def test_dispatch_benchmark_reports_a_nan_error_as_a_failure():
         assert worst["a"] != worst["a"] and worst["b"] == 1e-7  # NaN
     assert dispatch.error_failures([rank({"a": 3e-5})], 1e-5) == ["a"]  # above 1e-5 x the largest output 2.0
     assert dispatch.error_failures([rank({"a": 1.9e-5})], 1e-5) == []
+
+
+def test_plan_vs_measured_smoke(tmp_path):
+    """One layout (CP=2 x EP=2): the plan's parameter, gradient and optimizer bytes are the real
+    run's, its activations and peak within 10% (as tests/planning/test_plan_vs_measured.py asks),
+    and the ``--output`` file holds the printed table."""
+    output = tmp_path / "plan.md"
+    out = _run("plan_vs_measured.py", "--layouts", "cp2-ep2", "--output", str(output))
+    (cells,) = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
+                if line.startswith("| cp2-ep2")]
+    assert cells[:2] == ["cp2-ep2", "0"], cells
+    quantities = [cells[2 + 3 * i : 5 + 3 * i] for i in range(5)]  # params, grads, optimizer, activations, peak
+    for planned, measured, ratio in quantities[:3]:
+        assert planned == measured and ratio == "1.000", quantities
+    for planned, measured, ratio in quantities[3:]:
+        assert 0.9 <= float(ratio) <= 1.1 and abs(float(planned) / float(measured) - float(ratio)) < 2e-3, quantities
+    assert float(cells[17]) > 0 and float(cells[18]) > 0, cells  # wall times
+    assert output.read_text().strip() == out.strip()
+
