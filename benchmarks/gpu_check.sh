@@ -92,10 +92,43 @@ bench train_throughput benchmarks/train_throughput.py
 # Saved-activation bytes (benchmarks/memory.py) are exact and device independent: measured on CPU;
 # the GPU behaviour of recompute/offload (streams, overlap, gradients) is covered by the gpu tests.
 
+# 3. The plan against a real step on this GPU (benchmarks/plan_gpu_check.py): `lightning-moe plan`'s
+# peak for tiny_cpu.yaml on one GPU (TP=1, EP=1, bf16-mixed) beside torch.cuda.max_memory_allocated
+# over the same optimizer step of a real 1-GPU fit; fails outside [0.8, 1.25]. The planner and the
+# fit parse the configuration with jsonargparse (and its `signatures` extra), which a bare GPU
+# image may lack: then it is installed here, without an index, from the wheels in $WHEELS_DIR
+# (default benchmarks/wheels, git-ignored; fill it on a machine with network with
+# `pip download --no-deps -d benchmarks/wheels jsonargparse typeshed_client docstring_parser`).
+# Skipped without a CUDA device, or without jsonargparse and its wheels.
+plan_check() {
+    local name="plan_vs_gpu" wheels="${WHEELS_DIR:-benchmarks/wheels}"
+    if [ "$has_cuda" != "1" ]; then
+        record "$name" "skipped" 0 "no CUDA device"
+        return
+    fi
+    if ! "$python_bin" -c 'import jsonargparse, docstring_parser, typeshed_client' 2>/dev/null; then
+        if ! compgen -G "$wheels/jsonargparse-*.whl" >/dev/null; then
+            record "$name" "skipped" 0 "jsonargparse is not installed and $wheels holds no wheel of it"
+            return
+        fi
+        if ! "$python_bin" -m pip install --no-index --no-deps --find-links "$wheels" \
+            jsonargparse typeshed_client docstring_parser >"$out/$name-install.log" 2>&1; then
+            record "$name" "skipped" 0 "installing jsonargparse from $wheels failed: $out/$name-install.log"
+            return
+        fi
+    fi
+    run_step "$name" "$bench_timeout" "$out/$name.log" \
+        env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$python_bin" benchmarks/plan_gpu_check.py
+}
+plan_check
+
 echo
 echo "GPU check: results in $out"
 echo "pytest: ${pytest_summary:-no summary (see $out/pytest.log)}"
 cat "$out/gpu_path.txt"
+if [ -f "$out/plan_vs_gpu.log" ]; then
+    grep -E '^(planned|measured|  outside|ratio|raw ratio|plan_gpu_check)' "$out/plan_vs_gpu.log"
+fi
 printf '%-28s %-8s %7s  %s\n' "step" "status" "time" "log"
 for row in "${rows[@]}"; do
     echo "$row"

@@ -13,9 +13,11 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_moe.layers import cpu_gemm
 
@@ -192,3 +194,47 @@ def test_dispatch_benchmark_reports_a_nan_error_as_a_failure():
         assert worst["a"] != worst["a"] and worst["b"] == 1e-7  # NaN
     assert dispatch.error_failures([rank({"a": 3e-5})], 1e-5) == ["a"]  # above 1e-5 x the largest output 2.0
     assert dispatch.error_failures([rank({"a": 1.9e-5})], 1e-5) == []
+
+
+def test_plan_vs_measured_smoke(tmp_path):
+    """One layout (CP=2 x EP=2): the plan's parameter, gradient and optimizer bytes are the real
+    run's, its activations and peak within 10% (as tests/planning/test_plan_vs_measured.py asks),
+    and the ``--output`` file holds the printed table."""
+    output = tmp_path / "plan.md"
+    out = _run("plan_vs_measured.py", "--layouts", "cp2-ep2", "--output", str(output))
+    (cells,) = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
+                if line.startswith("| cp2-ep2")]
+    assert cells[:2] == ["cp2-ep2", "0"], cells
+    quantities = [cells[2 + 3 * i : 5 + 3 * i] for i in range(5)]  # params, grads, optimizer, activations, peak
+    for planned, measured, ratio in quantities[:3]:
+        assert planned == measured and ratio == "1.000", quantities
+    for planned, measured, ratio in quantities[3:]:
+        assert 0.9 <= float(ratio) <= 1.1 and abs(float(planned) / float(measured) - float(ratio)) < 2e-3, quantities
+    assert float(cells[17]) > 0 and float(cells[18]) > 0, cells  # wall times
+    assert output.read_text().strip() == out.strip()
+
+
+def test_plan_gpu_check_measures_the_second_optimizer_step(monkeypatch):
+    """In process, without a GPU: `StepPeak` resets the CUDA peak at the first micro-batch of
+    optimizer step 1 and reads it after that step's last micro-batch (two micro-batches per step),
+    and never again."""
+    check = _load_benchmark("plan_gpu_check")
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 100)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: calls.append("read") or 1000)
+    monkeypatch.setattr(check, "cuda_tensor_bytes", lambda held: 40)
+    meter = check.StepPeak()
+    trainer = types.SimpleNamespace(global_step=0, accumulate_grad_batches=2, optimizers=[])
+    module = torch.nn.Linear(2, 2)
+    for batch_idx in range(8):  # optimizer steps 0..3, two micro-batches each
+        meter.on_train_batch_start(trainer, module, None, batch_idx)
+        calls.append(("start", trainer.global_step, batch_idx))
+        trainer.global_step += batch_idx % 2  # the optimizer steps after the second micro-batch
+        meter.on_train_batch_end(trainer, module, None, None, batch_idx)
+        calls.append(("end", trainer.global_step, batch_idx))
+    assert calls.index("reset") == calls.index(("start", 1, 2)) - 1, calls
+    assert calls.index("read") == calls.index(("end", 2, 3)) - 1, calls
+    assert calls.count("reset") == calls.count("read") == 1, calls
+    assert (meter.peak, meter.start_allocated, meter.start_tensors) == (1000, 100, 40)
