@@ -7,11 +7,12 @@
 Takes what ``lightning-moe fit`` takes (``--config`` and the same overrides) and runs the
 configuration's real setup and one training step per pipeline stage in this process, as one rank
 of the configured world on torch's fake process group with fake tensors: no GPU, no data, no
-other process (:mod:`lightning_moe.planning`). A configuration for GPUs (``accelerator: gpu``) is
-planned with the GPU's kernels' memory. Printed for the largest rank, and per pipeline stage: the
-bytes of parameters, gradients, optimizer states, activations and buffers at the peak, the peak;
-with ``--gpu_memory`` whether it fits; the bytes per step of each kind of collective; a warning for
-a TP, CP, EP or ETP group that spans nodes. ``--json`` prints one JSON object instead.
+other process (:mod:`lightning_moe.planning`). A configuration for GPUs (``accelerator`` ``gpu``,
+``cuda``, or ``auto`` and unset) is planned with the GPU's kernels' memory. Printed for the largest
+rank, and per pipeline stage: the bytes of parameters, gradients, optimizer states, activations and
+buffers at the peak (the token dispatchers' part apart), the peak; with ``--gpu_memory`` whether it
+fits; the bytes of the collective buffers per step by kind; a warning for a TP, CP, EP or ETP group
+that spans nodes. ``--json`` prints one JSON object instead.
 """
 
 from __future__ import annotations

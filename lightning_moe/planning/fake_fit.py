@@ -57,6 +57,7 @@ from lightning_moe.planning.step_probe import Collective, StepProbe
 
 __all__ = ["RankStep", "fake_fit_rank"]
 
+
 @dataclass
 class RankStep:
     """What one rank held and sent during one optimizer step (bytes of distinct storages)."""
