@@ -110,6 +110,13 @@ def config_problems(model: Any, datamodule: Any, strategy: Any, subcommand: str 
     pipeline = getattr(strategy, "_pipeline", None)
     if pipeline is not None and subcommand in ("test", "predict"):
         problems.append(f"pipeline_parallel_size={sizes['pp']} does not support {pipeline_refusal(subcommand)}.")
+    if pipeline is not None and pipeline.schedule == "1F1B" and pipeline.num_microbatches < sizes["pp"]:
+        # torch's Schedule1F1B refuses it at the first training step, once every rank has started.
+        problems.append(
+            f"pipeline_schedule='1F1B' needs at least as many micro-batches as stages: num_microbatches="
+            f"{pipeline.num_microbatches} < pipeline_parallel_size={sizes['pp']}; pass num_microbatches={sizes['pp']} "
+            "or more (dividing data.batch_size), or pipeline_schedule='GPipe'."
+        )
     if pipeline is not None and isinstance(batch, int) and batch % pipeline.num_microbatches:
         problems.append(
             f"data.batch_size={batch} does not split into num_microbatches={pipeline.num_microbatches} equal "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sys
 import warnings
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any
 
 from jsonargparse import ArgumentParser
 
-from lightning_moe.planning.layouts import Layout, command_line, valid_layouts
+from lightning_moe.planning.layouts import Layout, valid_layouts
 from lightning_moe.planning.plan_config import PlanConfigError, data_shape, is_reference, plan_cli
 from lightning_moe.planning.planner import Plan, parse_bytes, plan
 
@@ -102,7 +103,7 @@ def plan_main(argv: list[str]) -> Plan | list[tuple[Layout, Plan]]:
         if options.search:
             ranked = search_layouts(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory,
                                     progress=lambda text: print(text, file=sys.stderr, flush=True))
-            _print_search(ranked, fit_args, gpu_memory, options.search_top, options.json)
+            _print_search(ranked, options.search_top, options.json)
             return ranked
         result = plan(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory)
     except (PlanConfigError, ValueError) as err:
@@ -200,7 +201,12 @@ def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_m
     for i, layout in enumerate(layouts):
         if progress is not None:
             progress(f"[{i + 1}/{len(layouts)}] {layout.describe()}")
-        args = [*fit_args, *_layout_overrides(layout)]
+        overrides = _layout_overrides(layout, pipeline["num_microbatches"], shape.batch_size)
+        if overrides is None:
+            if progress is not None:
+                progress(f"  skipped: data.batch_size={shape.batch_size} does not split into {layout.pp} micro-batches")
+            continue
+        args = [*fit_args, *overrides]
         try:
             planned.append((layout, plan(args, imbalance=imbalance, gpu_memory=gpu_memory)))
         except (PlanConfigError, ValueError) as err:  # a check of the real setup refused it
@@ -214,20 +220,32 @@ def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_m
     return sorted(planned, key=key)
 
 
-def _layout_overrides(layout: Layout) -> list[str]:
-    return [f"--trainer.strategy.init_args.{name}={value}" for name, value in layout.strategy_args().items()]
+def _command(p: Plan) -> str:
+    """The ``lightning-moe fit`` command that runs what ``p`` planned."""
+    return shlex.join(["lightning-moe", "fit", *p.args])
 
 
-def _print_search(ranked, fit_args, gpu_memory, top, as_json) -> None:
+def _layout_overrides(layout: Layout, micro: int, batch_size: int) -> list[str] | None:
+    """The strategy arguments of ``layout``; under PP at least as many micro-batches as stages (1F1B's
+    rule), dividing the batch (None: it cannot)."""
+    args = [f"--trainer.strategy.init_args.{name}={value}" for name, value in layout.strategy_args().items()]
+    if layout.pp > 1 and micro < layout.pp:
+        if batch_size % layout.pp:
+            return None
+        args.append(f"--trainer.strategy.init_args.num_microbatches={layout.pp}")
+    return args
+
+
+def _print_search(ranked: list[tuple[Layout, Plan]], top: int, as_json: bool) -> None:
     if as_json:
-        print(json.dumps([{"layout": p.layout(), "command": command_line(fit_args, layout), **p.to_json()}
-                          for layout, p in ranked[:top]], indent=2))
+        print(json.dumps([{"command": _command(p), **p.to_json()} for _, p in ranked[:top]], indent=2))
         return
     fitting = [item for item in ranked if item[1].fits is not False]
-    head = f"{len(fitting)} of {len(ranked)} layouts fit" if gpu_memory is not None else f"{len(ranked)} layouts"
+    known = ranked and ranked[0][1].gpu_memory is not None
+    head = f"{len(fitting)} of {len(ranked)} layouts fit" if known else f"{len(ranked)} layouts"
     print(f"lightning-moe plan --search: {head}; best first (peak, then collective bytes per step):")
     for layout, p in ranked[:top]:
         comm = sum(p.largest.communication.values())
         fit = "" if p.fits is None else ("fits" if p.fits else "does not fit")
         print(f"  {layout.describe():<40} peak {_gib(p.largest.step.peak_bytes):>12}  collectives {_gib(comm):>12}  {fit}")
-        print(f"    {command_line(fit_args, layout)}")
+        print(f"    {_command(p)}")

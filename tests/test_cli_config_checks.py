@@ -175,3 +175,12 @@ def test_the_reference_config_passes():
     strategy = MoEStrategy(**config["trainer"]["strategy"]["init_args"])
     data = TextDataModule(**config["data"])
     assert config_problems(reference, data, strategy) == []
+
+
+def test_1f1b_needs_at_least_as_many_micro_batches_as_stages(model, corpus):
+    # torch's Schedule1F1B raises "Number of microbatches (1) must be greater than or equal to the number of
+    # stages (2)" at the first training step, after every rank started; GPipe has no such rule.
+    (problem,) = config_problems(model, _data(corpus), MoEStrategy(pipeline_parallel_size=2))
+    assert "num_microbatches=1 < pipeline_parallel_size=2" in problem and "num_microbatches=2" in problem
+    assert config_problems(model, _data(corpus), MoEStrategy(pipeline_parallel_size=2, num_microbatches=2)) == []
+    assert config_problems(model, _data(corpus), MoEStrategy(pipeline_parallel_size=2, pipeline_schedule="GPipe")) == []
