@@ -68,6 +68,7 @@ from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
 from lightning_moe.parallel.checkpoint_security import UnsafeCheckpointError
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.layout_check import check_model_layout, meta_copy
+from lightning_moe.planning import Layout, Plan
 from lightning_moe.strategies import MoEStrategy
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "MoECLI", "check_layout_before_launch", "cli_main", "export_main", "main"]
@@ -254,7 +255,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def cli_main(args: list[str] | None = None) -> MoECLI | ExportedCheckpoint | Generated | Any:
+def cli_main(
+    args: list[str] | None = None,
+) -> MoECLI | ExportedCheckpoint | Generated | Plan | list[tuple[Layout, Plan]]:
     """Run the CLI on ``args`` (default: the command line) and return it (for tests and notebooks);
     ``export ...`` returns what :func:`export_main` exported, ``generate ...`` what
     :func:`~lightning_moe.cli_generate.generate_main` generated, ``plan ...`` the
