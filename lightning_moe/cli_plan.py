@@ -22,13 +22,21 @@ import logging
 import shlex
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from jsonargparse import ArgumentParser
 
 from lightning_moe.planning.layouts import Layout, valid_layouts
-from lightning_moe.planning.plan_config import PlanConfigError, data_shape, is_reference, plan_cli
+from lightning_moe.planning.plan_config import (
+    PlanConfigError,
+    callers_state_kept,
+    data_shape,
+    is_reference,
+    plan_cli,
+)
 from lightning_moe.planning.planner import Plan, parse_bytes, plan
 
 __all__ = ["PLAN_HELP", "format_plan", "plan_main", "plan_parser", "search_layouts"]
@@ -94,23 +102,37 @@ def plan_main(argv: list[str]) -> Plan | list[tuple[Layout, Plan]]:
         raise SystemExit(0)
     own, fit_args = _split_args(argv)
     options = plan_parser().parse_args(own)
-    # Lightning's start-up lines (accelerators, seed) describe the planner's own CPU run, not the plan.
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    warnings.simplefilter("ignore")  # likewise its warnings (no validation loader, deprecations)
     try:
-        gpu_memory = None if options.gpu_memory is None else parse_bytes(options.gpu_memory)
-        if options.search:
-            ranked = search_layouts(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory,
-                                    progress=lambda text: print(text, file=sys.stderr, flush=True))
-            _print_search(ranked, options.search_top, options.json)
-            return ranked
-        result = plan(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory)
+        with _planner_output_quiet():
+            gpu_memory = None if options.gpu_memory is None else parse_bytes(options.gpu_memory)
+            if options.search:
+                ranked = search_layouts(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory,
+                                        progress=lambda text: print(text, file=sys.stderr, flush=True))
+                _print_search(ranked, options.search_top, options.json)
+                return ranked
+            result = plan(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory)
     except (PlanConfigError, ValueError) as err:
         print(f"{_PROG} plan: error: {' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(2) from err
     print(json.dumps(result.to_json(), indent=2) if options.json else format_plan(result))
     return result
+
+
+@contextmanager
+def _planner_output_quiet() -> Iterator[None]:
+    """Lightning's start-up lines (accelerators, seed) and warnings (no validation loader,
+    deprecations) describe the planner's own CPU run, not the plan: silenced for the body only."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for logger in loggers:
+            logger.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -175,7 +197,7 @@ def _model_shape(fit_args: list[str]) -> tuple[int, _Shape, dict[str, Any]]:
     """(world size, the reference model's and data's sizes, the strategy's pipeline options)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
+    with callers_state_kept(), tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
         cli = plan_cli(fit_args, 1, root)
     if not is_reference(cli):
         raise PlanConfigError("--search needs the reference MoELanguageModel (it reads the model's sizes); plan your "

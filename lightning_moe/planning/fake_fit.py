@@ -52,7 +52,13 @@ from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.fake_world import fake_rank
 from lightning_moe.planning.gpu_path import take_the_gpu_path
 from lightning_moe.planning.live_bytes import follow_fsdp_resizes
-from lightning_moe.planning.plan_config import PlanConfigError, data_shape, is_reference, plan_cli
+from lightning_moe.planning.plan_config import (
+    PlanConfigError,
+    callers_state_kept,
+    data_shape,
+    is_reference,
+    plan_cli,
+)
 from lightning_moe.planning.step_probe import Collective, StepProbe
 
 __all__ = ["RankStep", "fake_fit_rank"]
@@ -101,7 +107,8 @@ def fake_fit_rank(
     """
     if imbalance < 1:
         raise PlanConfigError(f"imbalance must be >= 1 (1 = perfectly balanced routing), got {imbalance}.")
-    with fake_rank(rank, world_size), tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
+    with callers_state_kept(), fake_rank(rank, world_size), \
+            tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
         cli = plan_cli(args, measure_step, root)
         trainer, module = cli.trainer, cli.model
         loader = _loader(cli, world_size, measure_step)

@@ -5,19 +5,49 @@ the run shortened to the planned steps and run on the CPU (`plan_cli`), and what
 from __future__ import annotations
 
 import importlib
+import os
+import random
 import sys
 import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
 import lightning as L
+import torch
 
 from lightning_moe.parallel.dims import ParallelDims
 
 __all__ = [
-    "MEMORY_CALLBACKS", "PlanConfigError", "PlannedLayout", "data_shape", "is_reference", "plan_cli", "read_layout",
+    "MEMORY_CALLBACKS", "PlanConfigError", "PlannedLayout", "callers_state_kept", "data_shape", "is_reference",
+    "plan_cli", "read_layout",
 ]
+
+
+@contextmanager
+def callers_state_kept() -> Iterator[None]:
+    """Run the body and give the caller's process back as it was: environment variables (a
+    configuration's ``seed_everything`` sets ``PL_GLOBAL_SEED``, which later Trainers would read), the
+    torch and Python random states, ``rank_zero_only.rank`` (MoEStrategy sets it to the fake rank)
+    and the warning filters (it silences deprecations on ranks other than 0)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    environment, python_random = dict(os.environ), random.getstate()
+    rank = getattr(rank_zero_only, "rank", None)
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
+            random.setstate(python_random)
+            if rank is None:
+                vars(rank_zero_only).pop("rank", None)
+            else:
+                rank_zero_only.rank = rank
 
 MEMORY_CALLBACKS = (
     "lightning_moe.callbacks.SelectiveRecompute",
@@ -49,7 +79,7 @@ class PlannedLayout:
 
 def read_layout(args: list[str]) -> PlannedLayout:
     """Parse and check ``lightning-moe fit ARGS`` as ``fit`` does before it launches, without running it."""
-    with tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
+    with callers_state_kept(), tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
         cli = plan_cli(args, 1, root)
     strategy = cli.trainer.strategy
     if not hasattr(type(strategy), "parallel_context"):
