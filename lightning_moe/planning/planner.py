@@ -21,7 +21,9 @@ from lightning_moe.planning.layouts import cross_node_warnings
 from lightning_moe.planning.plan_config import PlanConfigError, read_layout
 from lightning_moe.planning.step_probe import Collective
 
-__all__ = ["COMMUNICATION_KINDS", "Plan", "StagePlan", "parse_bytes", "plan"]
+__all__ = [
+    "COMMUNICATION_KINDS", "Plan", "StagePlan", "classify_collective", "communication_bytes", "parse_bytes", "plan",
+]
 
 COMMUNICATION_KINDS = (
     "token_dispatch", "tensor_parallel", "context_parallel", "fsdp", "gradient_reduction", "pipeline", "other",
