@@ -43,7 +43,6 @@ import os
 import sys
 import tempfile
 import warnings
-from unittest import mock
 
 import lightning as L
 import torch
@@ -51,7 +50,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the harness
 
 from helpers.memory import tensors_in
-from helpers.step_memory import MEMORY_CALLBACKS, exactly_balanced_routing
+from helpers.step_memory import exactly_balanced_routing
+
+from lightning_moe.planning.plan_config import plan_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
@@ -123,48 +124,10 @@ def cuda_tensor_bytes(held: list) -> int:
     return sum(-(-n // _BLOCK) * _BLOCK for n in storages.values())
 
 
-def _keep_callback(spec) -> bool:
-    """Whether a configured callback (a ``class_path`` spec) is one of the memory callbacks the plan keeps."""
-    import importlib
-
-    module_name, _, name = str(spec.get("class_path") if hasattr(spec, "get") else "").rpartition(".")
-    if not module_name:
-        return isinstance(spec, MEMORY_CALLBACKS)
-    cls = getattr(importlib.import_module(module_name), name, None)
-    return isinstance(cls, type) and issubclass(cls, MEMORY_CALLBACKS)
-
-
 def fit_cli(args: list[str], root: str):
-    """``lightning-moe fit ARGS``'s CLI objects, not run, shortened as the planner shortens it (module docstring)."""
-    from jsonargparse import set_parsing_settings
-
-    from lightning_moe.cli import MoECLI, check_config_before_launch, check_layout_before_launch
-
-    class CheckCLI(MoECLI):
-        """``lightning-moe fit``'s parser and checks; only the memory callbacks of the configuration."""
-
-        def before_instantiate_classes(self) -> None:
-            super().before_instantiate_classes()
-            callbacks = self.config.trainer.get("callbacks") or []
-            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-            self.config.trainer.callbacks = [c for c in callbacks if _keep_callback(c)]
-
-        def after_instantiate_classes(self) -> None:
-            check_layout_before_launch(self.model, self.trainer.strategy)
-            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, "fit")
-
-    # The parser settings of lightning_moe.cli.cli_main.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True, instantiate_subclass_spec_in_any=False)
-    overrides = [
-        f"--trainer.max_steps={MEASURE_STEP + 1}", "--trainer.max_epochs=-1", "--trainer.logger=false",
-        "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
-        f"--trainer.default_root_dir={root}", "--model.model.moe.force_load_balancing=true",
-    ]
-    # LightningCLI warns when given args while the command line has others (this script's).
-    with mock.patch.object(sys, "argv", sys.argv[:1]):
-        return CheckCLI(L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
-                        args=[*args, *overrides])
+    """``lightning-moe fit ARGS``'s CLI objects, not run, shortened as the planner shortens it (module
+    docstring), routing forced balanced, on the configured GPU."""
+    return plan_cli([*args, "--model.model.moe.force_load_balancing=true"], MEASURE_STEP, root, on_cpu=False)
 
 
 def measure(args: list[str]) -> StepPeak:

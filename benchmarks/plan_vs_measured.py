@@ -42,22 +42,14 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # the harness
 
-from helpers.step_memory import measure_fit
+from helpers.step_memory import TINY_LAYOUTS, measure_fit
 
 from lightning_moe.planning import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "tiny_cpu.yaml")
 WORLD = 4
-_S = "--trainer.strategy.init_args."
-LAYOUTS = {
-    "tp2-ep4": [],  # the configuration as it is
-    "pp2-ep2": [f"{_S}pipeline_parallel_size=2", f"{_S}num_microbatches=2", f"{_S}tensor_parallel_size=1",
-                f"{_S}expert_parallel_size=2"],
-    "cp2-ep2": [f"{_S}context_parallel_size=2", f"{_S}tensor_parallel_size=1", f"{_S}expert_parallel_size=2"],
-    "full-shard-ep4": [f"{_S}sharding_strategy=FULL_SHARD", f"{_S}tensor_parallel_size=1"],
-}
-"""The layouts of ``tests/planning/test_plan_vs_measured.py``: overrides of ``tiny_cpu.yaml``."""
+LAYOUTS = TINY_LAYOUTS
 
 KEYS = (("params_bytes", "params"), ("grads_bytes", "grads"), ("optimizer_bytes", "optimizer"),
         ("activation_bytes", "activations"), ("peak_bytes", "peak"))

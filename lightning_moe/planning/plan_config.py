@@ -19,11 +19,12 @@ from unittest import mock
 import lightning as L
 import torch
 
+from lightning_moe.callbacks import ActivationOffload, CUDAGraphCapture, SelectiveRecompute
 from lightning_moe.parallel.dims import ParallelDims
 
 __all__ = [
-    "MEMORY_CALLBACKS", "PlanConfigError", "PlannedLayout", "callers_state_kept", "data_shape", "is_reference",
-    "plan_cli", "read_layout",
+    "MEMORY_CALLBACKS", "PlanConfigError", "PlannedLayout", "callers_state_kept", "data_shape", "is_memory_callback",
+    "is_reference", "plan_cli", "read_layout",
 ]
 
 
@@ -49,12 +50,8 @@ def callers_state_kept() -> Iterator[None]:
             else:
                 rank_zero_only.rank = rank
 
-MEMORY_CALLBACKS = (
-    "lightning_moe.callbacks.SelectiveRecompute",
-    "lightning_moe.callbacks.ActivationOffload",
-    "lightning_moe.callbacks.CUDAGraphCapture",
-)
-"""The callbacks of a configuration the planner keeps: they change what a step holds."""
+MEMORY_CALLBACKS = (SelectiveRecompute, ActivationOffload, CUDAGraphCapture)
+"""The callbacks of a configuration a shortened run keeps (`plan_cli`): they change what a step holds."""
 
 _GPU_ACCELERATORS = ("gpu", "cuda", "auto")
 
@@ -104,7 +101,13 @@ def _expert_layers(module):
     yield from (m for m in module.modules() if isinstance(m, MoELayer))
 
 
-def plan_cli(args: list[str], measure_step: int, root: str):
+def plan_cli(args: list[str], measure_step: int, root: str, *, on_cpu: bool = True):
+    """``lightning-moe fit ARGS``, parsed and checked as ``fit`` does, shortened to ``measure_step + 1``
+    optimizer steps: no logger, checkpoint, progress bar, summary or validation, only the
+    `MEMORY_CALLBACKS` of the configuration, files under ``root``. ``on_cpu``: run on the CPU
+    accelerator (the planner; ``16-mixed`` as ``bf16-mixed``), remembering in ``planned_for_gpu``
+    whether the configuration asked for GPUs; False keeps the configured accelerator (a real run
+    measured for comparison). Returns the CLI, its objects built, nothing run."""
     from jsonargparse import set_parsing_settings
 
     from lightning_moe.cli import MoECLI, check_config_before_launch, check_layout_before_launch
@@ -120,12 +123,13 @@ def plan_cli(args: list[str], measure_step: int, root: str):
             trainer = self.config.trainer
             self.planned_for_gpu = str(trainer.get("accelerator") or "auto") in _GPU_ACCELERATORS
             self.precision = str(trainer.get("precision") or "32-true")
-            trainer.accelerator = "cpu"
-            if str(trainer.get("precision")) in ("16-mixed", "16"):
-                trainer.precision = "bf16-mixed"  # the same bytes; CPU autocast runs bf16
+            if on_cpu:
+                trainer.accelerator = "cpu"
+                if self.precision in ("16-mixed", "16"):
+                    trainer.precision = "bf16-mixed"  # the same bytes; CPU autocast runs bf16
             callbacks = trainer.get("callbacks") or []
             callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-            trainer.callbacks = [c for c in callbacks if _is_memory_callback(c)]
+            trainer.callbacks = [c for c in callbacks if is_memory_callback(c)]
 
         def after_instantiate_classes(self) -> None:
             check_layout_before_launch(self.model, self.trainer.strategy)
@@ -146,17 +150,16 @@ def plan_cli(args: list[str], measure_step: int, root: str):
                        args=[*args, *overrides])
 
 
-def _is_memory_callback(spec: Any) -> bool:
-    class_path = str(spec.get("class_path")) if hasattr(spec, "get") else f"{type(spec).__module__}.{type(spec).__name__}"
-    if class_path in MEMORY_CALLBACKS:
-        return True
-    module_name, _, name = class_path.rpartition(".")
+def is_memory_callback(spec: Any) -> bool:
+    """Whether a configured callback (a ``class_path`` spec, or an object) is one of `MEMORY_CALLBACKS`."""
+    if not hasattr(spec, "get"):
+        return isinstance(spec, MEMORY_CALLBACKS)
+    module_name, _, name = str(spec.get("class_path")).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError):
         return False
-    wanted = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in MEMORY_CALLBACKS]
-    return isinstance(cls, type) and issubclass(cls, tuple(wanted))
+    return isinstance(cls, type) and issubclass(cls, MEMORY_CALLBACKS)
 
 
 def is_reference(cli) -> bool:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import os
 import tempfile
 import types
@@ -55,16 +54,26 @@ from torch.distributed.tensor import DTensor
 
 from helpers.dist import run_distributed
 from helpers.memory import storage_bytes, tensors_in
-from lightning_moe.callbacks import ActivationOffload, CUDAGraphCapture, SelectiveRecompute
 from lightning_moe.planning.live_bytes import LiveBytes, follow_fsdp_resizes
+from lightning_moe.planning.plan_config import plan_cli
 
-__all__ = ["MEASURED_KEYS", "MEMORY_CALLBACKS", "StepMemoryMeter", "exactly_balanced_routing", "measure_fit"]
+__all__ = ["MEASURED_KEYS", "TINY_LAYOUTS", "StepMemoryMeter", "exactly_balanced_routing", "measure_fit"]
 
 MEASURED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes", "activation_bytes")
 """The keys of `StepMemoryMeter.measured`."""
 
-MEMORY_CALLBACKS = (SelectiveRecompute, ActivationOffload, CUDAGraphCapture)
-"""Callbacks of a configuration that `measure_fit` keeps: they change what a step holds."""
+_S = "--trainer.strategy.init_args."
+TINY_LAYOUTS = {
+    "tp2-ep4": [],  # the configuration as it is
+    "pp2-ep2": [f"{_S}pipeline_parallel_size=2", f"{_S}num_microbatches=2", f"{_S}tensor_parallel_size=1",
+                f"{_S}expert_parallel_size=2"],
+    "cp2-ep2": [f"{_S}context_parallel_size=2", f"{_S}tensor_parallel_size=1", f"{_S}expert_parallel_size=2"],
+    "full-shard-ep4": [f"{_S}sharding_strategy=FULL_SHARD", f"{_S}tensor_parallel_size=1"],
+}
+"""Four layouts of ``examples/configs/tiny_cpu.yaml`` on 4 ranks (overrides of its strategy) in which a
+plan is compared with a measured run (``tests/planning/test_plan_vs_measured.py``,
+``benchmarks/plan_vs_measured.py``)."""
+
 
 # Objects whose tensors are counted through other holders, or that lead to data the step does not
 # hold on its device (the datamodule's token arrays): the walk for kept tensors stops there.
@@ -250,56 +259,11 @@ def exactly_balanced_routing(top_k: int) -> Iterator[None]:
         yield
 
 
-def _keep_callback(spec: Any) -> bool:
-    """Whether a configured callback (a ``class_path`` spec, or an object) is one of `MEMORY_CALLBACKS`."""
-    if not hasattr(spec, "get"):
-        return isinstance(spec, MEMORY_CALLBACKS)
-    module_name, _, name = str(spec.get("class_path")).rpartition(".")
-    cls = getattr(importlib.import_module(module_name), name, None)
-    return isinstance(cls, type) and issubclass(cls, MEMORY_CALLBACKS)
-
-
-def _measure_cli_class():
-    from lightning_moe.cli import MoECLI, check_config_before_launch, check_layout_before_launch
-
-    class MeasureCLI(MoECLI):
-        """`MoECLI` without subcommands whose configuration keeps only `MEMORY_CALLBACKS`."""
-
-        def before_instantiate_classes(self) -> None:
-            super().before_instantiate_classes()
-            callbacks = self.config.trainer.get("callbacks") or []
-            if not isinstance(callbacks, list):
-                callbacks = [callbacks]
-            self.config.trainer.callbacks = [c for c in callbacks if _keep_callback(c)]
-
-        def after_instantiate_classes(self) -> None:
-            # What `lightning-moe fit` checks before it launches (skipped by MoECLI without a subcommand).
-            check_layout_before_launch(self.model, self.trainer.strategy)
-            check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, "fit")
-
-    return MeasureCLI
-
-
-def _measurement_overrides(measure_step: int, world_size: int, root: str) -> list[str]:
-    return [
-        f"--trainer.devices={world_size}", "--trainer.num_nodes=1", f"--trainer.max_steps={measure_step + 1}",
-        "--trainer.max_epochs=-1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={root}",
-    ]
-
-
 def _fit_rank(rank: int, world_size: int, args: list[str], measure_step: int, root: str, balanced: bool) -> dict[str, int]:
-    from jsonargparse import set_parsing_settings
-
     torch.set_num_threads(1)  # the ranks share the machine's cores
     os.chdir(root)  # anything written relative to the working directory stays in the temporary folder
-    # The parser settings of lightning_moe.cli.cli_main.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True, instantiate_subclass_spec_in_any=False)
-    cli = _measure_cli_class()(
-        L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
-        args=[*args, *_measurement_overrides(measure_step, world_size, root)],
-    )
+    # fit's parser and checks, shortened as the planner shortens it, on the configured accelerator.
+    cli = plan_cli([*args, f"--trainer.devices={world_size}", "--trainer.num_nodes=1"], measure_step, root, on_cpu=False)
     meter = StepMemoryMeter(measure_step)
     cli.trainer.callbacks.append(meter)
     with exactly_balanced_routing(cli.model.config.moe.top_k) if balanced else contextlib.nullcontext():
@@ -322,8 +286,9 @@ def measure_fit(
     ``["--config", "examples/configs/tiny_cpu.yaml", "--trainer.strategy.init_args.pipeline_parallel_size=2"]``.
     The run is shortened to a measurement: ``devices=world_size``, ``max_steps = measure_step + 1``,
     no logger, checkpointing, progress bar, model summary, sanity or other validation; the
-    configuration's callbacks are dropped except `MEMORY_CALLBACKS`. Relative paths in ``args``
-    are resolved from the current directory. ``balanced_routing``: the reference model's routers
+    configuration's callbacks are dropped except `lightning_moe.planning.plan_config.MEMORY_CALLBACKS`
+    (the planner's `plan_cli`, on the configured accelerator). Relative paths in ``args`` are
+    resolved from the current directory. ``balanced_routing``: the reference model's routers
     route exactly balanced (`exactly_balanced_routing`; sets ``model.moe.force_load_balancing``).
     """
     args = list(args[1:] if args[:1] == ["fit"] else args)

@@ -14,7 +14,7 @@ import functools
 import os
 
 import pytest
-from helpers.step_memory import measure_fit
+from helpers.step_memory import TINY_LAYOUTS, measure_fit
 
 from lightning_moe.parallel import ParallelDims
 from lightning_moe.planning import plan
@@ -23,14 +23,7 @@ pytestmark = pytest.mark.distributed
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny_cpu.yaml")
 WORLD = 4
-_S = "--trainer.strategy.init_args."
-LAYOUTS = {
-    "tp2-ep4": [],  # the configuration as it is
-    "pp2-ep2": [f"{_S}pipeline_parallel_size=2", f"{_S}num_microbatches=2", f"{_S}tensor_parallel_size=1",
-                f"{_S}expert_parallel_size=2"],
-    "cp2-ep2": [f"{_S}context_parallel_size=2", f"{_S}tensor_parallel_size=1", f"{_S}expert_parallel_size=2"],
-    "full-shard-ep4": [f"{_S}sharding_strategy=FULL_SHARD", f"{_S}tensor_parallel_size=1"],
-}
+LAYOUTS = TINY_LAYOUTS
 EXACT = ("params_bytes", "grads_bytes", "optimizer_bytes")
 WITHIN_10_PERCENT = ("activation_bytes", "peak_bytes")
 
