@@ -44,14 +44,13 @@ import lightning as L
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.distributed.tensor import DTensor
 
 from lightning_moe.layers import expert_kernels
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.fake_world import fake_rank
 from lightning_moe.planning.gpu_path import take_the_gpu_path
-from lightning_moe.planning.live_bytes import follow_fsdp_resizes
+from lightning_moe.planning.live_bytes import follow_fsdp_resizes, storage_bytes
 from lightning_moe.planning.plan_config import (
     PlanConfigError,
     callers_state_kept,
@@ -178,17 +177,6 @@ def _routing_answers(cli, imbalance: float) -> dict[str, Any]:
 # -- the step ------------------------------------------------------------------------------------
 
 
-def _distinct_bytes(tensors) -> int:
-    storages = {}
-    for tensor in tensors:
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            storages[storage._cdata] = storage.nbytes()
-    return sum(storages.values())
-
-
 class _StepMeter(L.Callback):
     """Starts the probe's record at the measured step and reads what it held (`RankStep`)."""
 
@@ -207,7 +195,7 @@ class _StepMeter(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._measuring(trainer):
-            self._grads = _distinct_bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
+            self._grads = storage_bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # global_step has moved on once the measured step's optimizer ran.
@@ -217,8 +205,8 @@ class _StepMeter(L.Callback):
         states = [t for optimizer in trainer.optimizers for state in optimizer.state.values()
                   for t in state.values() if isinstance(t, torch.Tensor)]
         self.result = RankStep(
-            rank=-1, params_bytes=_distinct_bytes(pl_module.parameters()), grads_bytes=self._grads,
-            optimizer_bytes=_distinct_bytes(states), peak_bytes=record.peak_bytes, start_bytes=record.start_bytes,
+            rank=-1, params_bytes=storage_bytes(pl_module.parameters()), grads_bytes=self._grads,
+            optimizer_bytes=storage_bytes(states), peak_bytes=record.peak_bytes, start_bytes=record.start_bytes,
             dispatch_bytes=record.peak_dispatch_bytes,
             collectives=list(record.collectives), host_reads=len(record.host_reads),
         )

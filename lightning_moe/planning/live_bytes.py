@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "follow_fsdp_resizes", "held_bytes"]
+__all__ = ["LiveBytes", "follow_fsdp_resizes", "held_bytes", "storage_bytes"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -110,13 +110,18 @@ def follow_fsdp_resizes(counter: LiveBytes) -> Iterator[None]:
             setattr(module, name, original)
 
 
-def held_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the storages behind ``module``'s parameters and buffers (a DTensor's local shard;
-    a storage shared by tied weights once)."""
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor's local shard; a storage that
+    several tensors or views share, once; meta tensors hold none)."""
     storages: dict[int, int] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
+    for tensor in tensors:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if local.device.type != "meta":
             storage = local.untyped_storage()
             storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
+
+
+def held_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the storages behind ``module``'s parameters and buffers (`storage_bytes`)."""
+    return storage_bytes((*module.parameters(), *module.buffers()))
