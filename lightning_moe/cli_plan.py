@@ -73,10 +73,17 @@ def plan_parser() -> ArgumentParser:
         "layout: minutes for a large model).",
     )
     parser.add_argument("--search_top", type=int, default=10, help="--search: how many layouts to print.")
+    parser.add_argument(
+        "--jobs", type=int, default=None,
+        help="How many pipeline stages are planned at once, each in a forked process (default: one per CPU; "
+        "1: one after another in this process).",
+    )
     return parser
 
 
-_OWN_FLAGS = {"--json": False, "--search": False, "--gpu_memory": True, "--imbalance": True, "--search_top": True}
+_OWN_FLAGS = {
+    "--json": False, "--search": False, "--gpu_memory": True, "--imbalance": True, "--search_top": True, "--jobs": True,
+}
 
 
 def _split_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -107,10 +114,11 @@ def plan_main(argv: list[str]) -> Plan | list[tuple[Layout, Plan]]:
             gpu_memory = None if options.gpu_memory is None else parse_bytes(options.gpu_memory)
             if options.search:
                 ranked = search_layouts(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory,
-                                        progress=lambda text: print(text, file=sys.stderr, flush=True))
+                                        progress=lambda text: print(text, file=sys.stderr, flush=True),
+                                        jobs=options.jobs)
                 _print_search(ranked, options.search_top, options.json)
                 return ranked
-            result = plan(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory)
+            result = plan(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory, jobs=options.jobs)
     except (PlanConfigError, ValueError) as err:
         print(f"{_PROG} plan: error: {' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(2) from err
@@ -210,9 +218,10 @@ def _model_shape(fit_args: list[str]) -> tuple[int, _Shape, dict[str, Any]]:
 
 
 def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_memory: int | None = None,
-                   progress=None) -> list[tuple[Layout, Plan]]:
+                   progress=None, jobs: int | None = None) -> list[tuple[Layout, Plan]]:
     """Plan every valid layout of the configuration's world size; returns ``(layout, plan)`` pairs,
-    those that fit first (all, without ``gpu_memory``), each group by peak, then by communication bytes."""
+    those that fit first (all, without ``gpu_memory``), each group by peak, then by communication bytes.
+    ``jobs``: `plan`'s, for each layout's stages."""
     world, shape, pipeline = _model_shape(fit_args)
     layouts = valid_layouts(
         world, num_experts=shape.num_experts, num_attention_heads=shape.num_attention_heads,
@@ -230,7 +239,7 @@ def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_m
             continue
         args = [*fit_args, *overrides]
         try:
-            planned.append((layout, plan(args, imbalance=imbalance, gpu_memory=gpu_memory)))
+            planned.append((layout, plan(args, imbalance=imbalance, gpu_memory=gpu_memory, jobs=jobs)))
         except (PlanConfigError, ValueError) as err:  # a check of the real setup refused it
             if progress is not None:
                 progress(f"  skipped: {' '.join(str(err).split())[:200]}")

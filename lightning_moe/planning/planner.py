@@ -3,8 +3,9 @@ per rank, before any GPU is rented.
 
 Runs the configuration's real setup and training step (`lightning_moe.planning.fake_fit`) once per
 distinct rank role: the first rank of every pipeline stage (ranks of one stage hold the same shapes:
-the layouts shard evenly, routing is taken balanced times ``imbalance``). The largest of them is
-the answer; every stage is reported.
+the layouts shard evenly, routing is taken balanced times ``imbalance``), several at once in forked
+processes (`lightning_moe.planning.rank_runs`). The largest of them is the answer; every stage is
+reported.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.planning.fake_fit import RankStep, fake_fit_rank
-from lightning_moe.planning.fake_objects import AwaitsObject, FakeObjects
+from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings
 from lightning_moe.planning.plan_config import PlanConfigError, read_layout
+from lightning_moe.planning.rank_runs import default_jobs, run_ranks
 from lightning_moe.planning.step_probe import Collective
 
 __all__ = [
@@ -121,13 +123,15 @@ class Plan:
 
 
 def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | str | None = None,
-         measure_step: int = 1) -> Plan:
+         measure_step: int = 1, jobs: int | None = None) -> Plan:
     """Plan ``lightning-moe fit ARGS``: run its setup and step as the first rank of every pipeline stage.
 
     ``imbalance``: routing imbalance (each expert gets this times its balanced share); default
     the configured ``capacity_factor`` when there is one (dropped rows bound what an expert gets),
     else 1.0, which a real router exceeds: the report says so. ``gpu_memory``: the device's bytes
-    (or e.g. ``"80GB"``) to say whether the largest rank fits.
+    (or e.g. ``"80GB"``) to say whether the largest rank fits. ``jobs``: how many ranks are
+    planned at once, in forked processes (default: one per CPU; 1: one after another in this
+    process; see `lightning_moe.planning.rank_runs`).
     """
     layout = read_layout(args)
     dims = layout.dims
@@ -140,19 +144,15 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
                 "--imbalance 1.2 or more to leave room for the busiest expert."
             )
     roles = {stage: min(r for r in range(dims.world_size) if dims.coords(r).pp == stage) for stage in range(dims.pp)}
-    objects, done, pending = FakeObjects(), {}, list(roles.items())
-    while pending:
-        progressed, waiting = False, []
-        for stage, rank in pending:
-            try:
-                done[stage] = fake_fit_rank(args, rank, dims.world_size, imbalance=imbalance,
-                                            measure_step=measure_step, objects=objects)
-                progressed = True
-            except AwaitsObject:
-                waiting.append((stage, rank))
-        if waiting and not progressed:
-            raise PlanConfigError(f"the ranks {[r for _, r in waiting]} wait for each other's objects; cannot plan.")
-        pending = waiting
+    # Stage 0 first, then the last stage: they send the boundary shapes the others wait for.
+    order = sorted(roles.values(), key=lambda r: (dims.coords(r).pp not in (0, dims.pp - 1), dims.coords(r).pp))
+
+    def run(rank: int, objects: FakeObjects) -> RankStep:
+        return fake_fit_rank(args, rank, dims.world_size, imbalance=imbalance, measure_step=measure_step,
+                             objects=objects)
+
+    steps = run_ranks(order, run, default_jobs(len(order)) if jobs is None else jobs)
+    done = {stage: steps[rank] for stage, rank in roles.items()}
     stages = [StagePlan(s, done[s], communication_bytes(done[s].collectives, dims, done[s].rank,
                                                         layout.sharding_strategy))
               for s in sorted(done)]

@@ -34,6 +34,7 @@ def _plan_each_rank_once(monkeypatch):
         return copy.deepcopy(_STEPS[key])
 
     monkeypatch.setattr(planner, "fake_fit_rank", cached)
+    monkeypatch.setattr(planner, "default_jobs", lambda num_ranks: 1)  # the cache lives in this process
 
 
 def test_plan_json_holds_the_largest_rank_and_the_fit(capsys):

@@ -1,0 +1,134 @@
+"""Run the planned ranks' fake steps, several at once in forked processes.
+
+Each planned rank (the first of each pipeline stage) runs a whole ``Trainer.fit`` on fake tensors,
+which costs its own CPU core for a minute or more on a large model; the ranks need nothing from
+each other but the objects a pipeline stage broadcasts (`FakeObjects`: stage 0's boundary shapes,
+the last stage's). So they run in ``jobs`` forked processes at a time: a rank that waits for an
+object (`AwaitsObject`) runs again once a rank has sent objects it did not have, with everything
+sent so far. ``jobs=1`` runs them one after another in this process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
+
+from lightning_moe.planning.fake_objects import AwaitsObject, FakeObjects
+from lightning_moe.planning.plan_config import PlanConfigError
+
+__all__ = ["default_jobs", "run_ranks"]
+
+RunRank = Callable[[int, FakeObjects], object]
+"""``run(rank, objects)``: the rank's fake step, receiving from and sending to ``objects``."""
+
+
+def default_jobs(num_ranks: int) -> int:
+    """As many processes as the CPUs this process may use, at most one per planned rank."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, num_ranks))
+
+
+def run_ranks(ranks: Sequence[int], run: RunRank, jobs: int) -> dict[int, object]:
+    """``{rank: run(rank, objects)}`` for every rank in ``ranks`` (in that order of preference).
+
+    Raises `PlanConfigError` when the remaining ranks only wait for each other's objects, and the
+    first error a rank raised otherwise (a worker's error with its traceback in the message).
+    """
+    if jobs <= 1 or len(ranks) <= 1:
+        return _one_by_one(ranks, run)
+    return _forked(ranks, run, jobs)
+
+
+def _one_by_one(ranks: Sequence[int], run: RunRank) -> dict[int, object]:
+    objects, done, pending = FakeObjects(), {}, list(ranks)
+    while pending:
+        waiting = []
+        for rank in pending:
+            try:
+                done[rank] = run(rank, objects)
+            except AwaitsObject:
+                waiting.append(rank)
+        if waiting and len(waiting) == len(pending):
+            raise PlanConfigError(f"the ranks {waiting} wait for each other's objects; cannot plan.")
+        pending = waiting
+    return done
+
+
+def _forked(ranks: Sequence[int], run: RunRank, jobs: int) -> dict[int, object]:
+    context = multiprocessing.get_context("fork")
+    sent: dict = {}
+    done: dict[int, object] = {}
+    tried_with: dict[int, int] = {}  # rank -> how many objects its last run that waited started with
+    running: dict = {}  # connection -> (rank, process, how many objects it started with)
+    try:
+        while len(done) < len(ranks):
+            for rank in ranks:
+                if len(running) >= jobs:
+                    break
+                busy = any(r == rank for r, _, _ in running.values())
+                if rank in done or busy or tried_with.get(rank, -1) >= len(sent):
+                    continue
+                receiver, sender = context.Pipe(duplex=False)
+                process = context.Process(target=_child, args=(run, rank, dict(sent), sender), daemon=True)
+                process.start()
+                sender.close()
+                running[receiver] = (rank, process, len(sent))
+            if not running:
+                waiting = [r for r in ranks if r not in done]
+                raise PlanConfigError(f"the ranks {waiting} wait for each other's objects; cannot plan.")
+            for receiver in wait(list(running)):
+                rank, process, started_with = running.pop(receiver)
+                outcome, value, objects = _receive(receiver, rank)
+                process.join()
+                sent.update(objects)
+                if outcome == "done":
+                    done[rank] = value
+                elif outcome == "awaits":
+                    tried_with[rank] = started_with
+                else:
+                    raise value
+    finally:
+        for receiver, (_, process, _) in running.items():
+            process.kill()
+            process.join()
+            receiver.close()
+    return done
+
+
+def _child(run: RunRank, rank: int, sent: dict, sender) -> None:
+    objects = FakeObjects()
+    objects.sent = sent
+    try:
+        outcome, value = "done", run(rank, objects)
+    except AwaitsObject as error:
+        outcome, value = "awaits", str(error)
+    except BaseException as error:  # every failure goes back to the parent, which raises it
+        outcome, value = "error", _portable(error)
+    sender.send((outcome, value, objects.sent))
+    sender.close()
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it pickles, else a RuntimeError with its traceback."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # any pickling failure
+        text = "".join(traceback.format_exception(error))
+        return RuntimeError(f"planning a rank failed in a worker process:\n{text}")
+
+
+def _receive(receiver, rank: int) -> tuple[str, object, dict]:
+    try:
+        return receiver.recv()
+    except EOFError:
+        raise RuntimeError(
+            f"the process planning rank {rank} died without an answer (out of memory? run with --jobs 1 to see "
+            "its error here)."
+        ) from None
+    finally:
+        receiver.close()

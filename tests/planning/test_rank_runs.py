@@ -1,0 +1,70 @@
+"""`run_ranks`: planned ranks run in forked processes, exchanging the objects they broadcast.
+
+The rank functions here stand in for `fake_fit_rank` with the same contract: they read and send
+objects through ``FakeObjects.sent`` and raise `AwaitsObject` when an object is missing. Planning
+real configurations this way is checked against real runs in ``test_plan_vs_measured.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lightning_moe.planning.fake_objects import AwaitsObject
+from lightning_moe.planning.plan_config import PlanConfigError
+from lightning_moe.planning.rank_runs import run_ranks
+
+
+def _pipeline_like(rank, objects):
+    """Rank 0 sends its shapes and needs the last rank's; the last needs rank 0's; the middle ones need both
+    (the order in which pipeline stages exchange boundary shapes)."""
+    sent = objects.sent
+    if rank == 0:
+        sent[("first", 0)] = ("shapes of", rank, os.getpid())
+    if rank != 0 and ("first", 0) not in sent:
+        raise AwaitsObject("first")
+    if rank == 3:
+        sent[("last", 0)] = ("head of", rank)
+    if ("last", 0) not in sent:
+        raise AwaitsObject("last")
+    return rank, sent[("first", 0)][:2], sent[("last", 0)]
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_ranks_that_wait_for_each_other_are_planned_in_any_number_of_processes(jobs):
+    done = run_ranks([0, 3, 1, 2], _pipeline_like, jobs)
+    assert done == {r: (r, ("shapes of", 0), ("head of", 3)) for r in range(4)}
+
+
+def _never_sent(rank, objects):
+    raise AwaitsObject("an object nobody sends")
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_ranks_waiting_only_for_each_other_are_an_error(jobs):
+    with pytest.raises(PlanConfigError, match=r"the ranks \[0, 1\] wait for each other"):
+        run_ranks([0, 1], _never_sent, jobs)
+
+
+def _refused(rank, objects):
+    if rank == 1:
+        raise ValueError(f"rank {rank}: this layout is refused")
+    return rank
+
+
+class _Unpicklable(Exception):
+    def __init__(self, message, handle):
+        super().__init__(message)
+        self.handle = handle
+
+
+def _unpicklable(rank, objects):
+    raise _Unpicklable("cannot travel", lambda: None)
+
+
+def test_a_worker_error_is_raised_in_the_caller():
+    with pytest.raises(ValueError, match="rank 1: this layout is refused"):
+        run_ranks([0, 1], _refused, 2)
+    with pytest.raises(RuntimeError, match=r"(?s)failed in a worker process.*cannot travel"):
+        run_ranks([0, 1], _unpicklable, 2)
