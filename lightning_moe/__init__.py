@@ -12,6 +12,10 @@ from lightning_moe.layers import (
     TopKRouter,
     update_expert_bias,
 )
+from lightning_moe.models.hf.swap import swap_moe_blocks, unswap_moe_blocks
 
-__all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "SharedExpertMLP", "TopKRouter", "update_expert_bias"]
+__all__ = [
+    "GroupedExperts", "MoEConfig", "MoELayer", "SharedExpertMLP", "TopKRouter", "swap_moe_blocks", "unswap_moe_blocks",
+    "update_expert_bias",
+]
 __version__ = "0.1.0.dev0"

@@ -8,6 +8,7 @@ safetensors weights of a Qwen3-MoE, Mixtral, OLMoE or DeepSeek-V3 directory; :fu
 * :mod:`.config_map` / :mod:`.config_export`: ``config.json`` <-> :class:`MoETransformerConfig`;
 * :mod:`.weights`: tensor names, per-expert <-> stacked experts;
 * :mod:`.io`: safetensors files, shards and their index.
+* :mod:`.swap`: ``transformers`` models in memory, their MoE blocks replaced by `MoELayer` s and back.
 
 Both functions work on one process holding the whole model; multi-token prediction (DeepSeek-V3's
 MTP layers) is not implemented: its tensors are skipped on load with a warning.

@@ -14,6 +14,9 @@ Router semantics per family (``transformers`` 5.24, verified against its modelin
 * Mixtral: softmax, top-k, always renormalised (our post-softmax);
 * DeepSeek-V3: sigmoid scores, ``e_score_correction_bias`` added for selection only (our expert
   bias), groups scored by their top-2 biased scores, renormalised, times ``routed_scaling_factor``.
+* Qwen2-MoE (MoE blocks only, :func:`moe_config_from_hf`; no whole-model loading): as Qwen3-MoE,
+  plus a shared expert of width ``shared_expert_intermediate_size`` scaled by
+  ``sigmoid(shared_expert_gate(x))`` (our ``shared_expert_gate``).
 
 Training-only settings map where ``config.json`` carries them: ``router_aux_loss_coef`` to the
 ``aux_loss`` coefficient (Qwen3, Mixtral, OLMoE); DeepSeek's ``seq_aux`` / ``aux_loss_alpha`` to
@@ -29,7 +32,7 @@ from lightning_moe.layers.config import MoEConfig
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.rope import RopeScaling
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "config_from_hf", "family_of", "rope_from_hf"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "MOE_FAMILIES", "config_from_hf", "family_of", "moe_config_from_hf", "rope_from_hf"]
 
 ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -39,6 +42,8 @@ ARCHITECTURES = {
 }
 """``model_type`` of each supported family -> the ``transformers`` class that loads it."""
 FAMILIES = tuple(sorted(ARCHITECTURES))
+MOE_FAMILIES = tuple(sorted((*ARCHITECTURES, "qwen2_moe")))
+"""Families whose MoE block :func:`moe_config_from_hf` maps (whole models: :data:`FAMILIES`)."""
 
 # transformers 5.24's defaults of the optional keys read below (a published config.json may omit them).
 _COMMON_DEFAULTS = {
@@ -60,12 +65,14 @@ _DEFAULTS = {
                     "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
                     "n_shared_experts": 1, "first_k_dense_replace": 3, "rope_interleave": True,
                     "q_lora_rank": 1536, "num_key_value_heads": None, "seq_aux": False, "aux_loss_alpha": 0.0},
+    "qwen2_moe": {"norm_topk_prob": False, "router_aux_loss_coef": 0.001},  # MoE keys only: no whole-model mapping
 }
 _EXPERT_COUNT_KEYS = {
     "qwen3_moe": ("num_experts", "num_local_experts"),
     "mixtral": ("num_local_experts",),
     "olmoe": ("num_experts",),
     "deepseek_v3": ("n_routed_experts", "num_local_experts"),
+    "qwen2_moe": ("num_experts",),
 }
 # Keys whose presence means a feature this model does not implement.
 _REFUSED_IF_SET = ("quantization_config",)
@@ -130,7 +137,8 @@ def rope_from_hf(fields: _Fields) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _refuse_unsupported(fields: _Fields) -> None:
+def _refuse_unsupported_moe(fields: _Fields) -> None:
+    """Refuse what the MoE block of ``fields`` does that a `MoELayer` cannot reproduce exactly."""
     raw, family = fields.raw, fields.family
     for key in _REFUSED_IF_SET:
         if raw.get(key):
@@ -142,6 +150,16 @@ def _refuse_unsupported(fields: _Fields) -> None:
         raise ValueError(
             f"hidden_act={fields['hidden_act']!r} is not supported: the experts are SwiGLU (silu)."
         )
+    if family == "mixtral" and fields["router_jitter_noise"]:
+        raise ValueError(
+            f"router_jitter_noise={fields['router_jitter_noise']} is not supported (transformers multiplies "
+            "the experts' input by the noise too); set it to 0.0 or use input_jitter_eps after loading."
+        )
+
+
+def _refuse_unsupported(fields: _Fields) -> None:
+    raw, family = fields.raw, fields.family
+    _refuse_unsupported_moe(fields)
     if fields["attention_bias"]:
         raise ValueError("attention_bias=True is not supported: the attention projections have no biases.")
     if fields["attention_dropout"]:
@@ -154,11 +172,6 @@ def _refuse_unsupported(fields: _Fields) -> None:
             f"sliding_window={window} (below max_position_embeddings={fields['max_position_embeddings']}) is "
             "not supported: attention is full causal here. Use a model without a sliding window."
         )
-    if family == "mixtral" and fields["router_jitter_noise"]:
-        raise ValueError(
-            f"router_jitter_noise={fields['router_jitter_noise']} is not supported (transformers multiplies "
-            "the experts' input by the noise too); set it to 0.0 or use input_jitter_eps after loading."
-        )
     if family == "olmoe" and fields["clip_qkv"] is not None:
         raise ValueError(f"clip_qkv={fields['clip_qkv']} is not supported (no q/k/v clipping here).")
 
@@ -170,12 +183,33 @@ def _aux_loss(coeff: float) -> dict[str, Any]:
 def _softmax_moe(fields: _Fields, hidden: int, ffn_key: str) -> MoEConfig:
     family = fields.family
     renormalise = True if family == "mixtral" else bool(fields["norm_topk_prob"])
+    shared = {}
+    if family == "qwen2_moe":
+        shared = {"shared_expert_ffn_hidden_size": int(fields["shared_expert_intermediate_size"]),
+                  "shared_expert_gate": True}
     return MoEConfig(
         hidden_size=hidden, ffn_hidden_size=int(fields[ffn_key]),
         num_experts=int(fields.first(_EXPERT_COUNT_KEYS[family])),
         top_k=int(fields["num_experts_per_tok"]), score_func="softmax", pre_softmax=not renormalise,
-        init_std=float(fields["initializer_range"]), **_aux_loss(fields["router_aux_loss_coef"]),
+        init_std=float(fields["initializer_range"]), **shared, **_aux_loss(fields["router_aux_loss_coef"]),
     )
+
+
+def moe_config_from_hf(raw: Mapping[str, Any], family: str) -> MoEConfig:
+    """The :class:`MoEConfig` of the sparse-MoE blocks of a ``family`` model with ``config.json`` ``raw``.
+
+    The routing is exactly ``transformers``' (module docstring); a setting of the block that a
+    `MoELayer` cannot reproduce is refused with an error naming it. Training losses map as in
+    :func:`config_from_hf`. ``family`` is one of :data:`MOE_FAMILIES`.
+    """
+    if family not in MOE_FAMILIES:
+        raise ValueError(f"No MoE block mapping for family {family!r}; supported: {', '.join(MOE_FAMILIES)}.")
+    fields = _Fields(raw, family)
+    _refuse_unsupported_moe(fields)
+    hidden = int(fields["hidden_size"])
+    if family == "deepseek_v3":
+        return _deepseek_moe(fields, hidden)
+    return _softmax_moe(fields, hidden, "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size")
 
 
 def _deepseek_moe(fields: _Fields, hidden: int) -> MoEConfig:
@@ -244,7 +278,7 @@ def config_from_hf(raw: Mapping[str, Any]) -> tuple[MoETransformerConfig, str]:
             q_lora_rank=fields["q_lora_rank"], kv_lora_rank=int(fields["kv_lora_rank"]),
             qk_nope_head_dim=int(fields["qk_nope_head_dim"]), qk_rope_head_dim=int(fields["qk_rope_head_dim"]),
             v_head_dim=int(fields["v_head_dim"]), rope_interleaved=bool(fields["rope_interleave"]),
-            first_dense_layers=int(fields["first_k_dense_replace"]), moe=_deepseek_moe(fields, hidden),
+            first_dense_layers=int(fields["first_k_dense_replace"]), moe=moe_config_from_hf(raw, family),
         )
         return config, family
     head_dim = raw.get("head_dim")
@@ -252,8 +286,7 @@ def config_from_hf(raw: Mapping[str, Any]) -> tuple[MoETransformerConfig, str]:
         raise ValueError(
             f"OLMoE with head_dim={head_dim} != hidden_size / num_attention_heads is not supported."
         )
-    expert_width = "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size"
-    moe = _softmax_moe(fields, hidden, expert_width)
+    moe = moe_config_from_hf(raw, family)
     config = MoETransformerConfig(
         **common, head_dim=None if family == "olmoe" or head_dim is None else int(head_dim),
         ffn_hidden_size=int(fields["intermediate_size"]) if family == "qwen3_moe" else None,
