@@ -235,10 +235,7 @@ def apply_user_tensor_parallel(model: nn.Module, ctx: ParallelContext, planned: 
     if ctx.size("tp") == 1:
         return model
     planned_names = [n for n, m in model.named_modules() if any(m is p for p in planned)]
-    tp_mesh = ctx.dense_mesh["tp"]
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer) and not _inside(n, planned_names)]
-    for name, layer in layers:
-        split_moe_tokens(layer, tp_mesh, name)
     # Every rank of a TP group holds the whole gradient of a plain parameter outside the MoE layers.
     in_layers = [n for n, _ in layers]
     replicated = {
@@ -246,5 +243,14 @@ def apply_user_tensor_parallel(model: nn.Module, ctx: ParallelContext, planned: 
         if not isinstance(p, DTensor) and not is_expert_param(p)
         and not _inside(n, planned_names) and not _inside(n, in_layers)
     }
+    if ctx.size("pp") > 1 and (layers or replicated):
+        # Pipeline stages are re-rooted modules: the records above would not follow them.
+        raise ValueError(
+            f"tensor_parallel_size={ctx.size('tp')} with pipeline_parallel_size={ctx.size('pp')} needs the reference "
+            f"lightning_moe.models.MoETransformer; {type(model).__name__} has layers outside it "
+            f"({(in_layers or sorted(replicated))[0]}, ...). Use pipeline_parallel_size=1 or tensor_parallel_size=1."
+        )
+    for name, layer in layers:
+        split_moe_tokens(layer, ctx.dense_mesh["tp"], name)
     setattr(model, _REPLICATED_ATTR, frozenset(replicated | tp_replicated_names(model)))
     return model

@@ -6,7 +6,9 @@ layer on one device, on the same (replicated) input: its output, the input's gra
 router's gradient (each TP rank holds the part of its own tokens: their sum over TP) must equal
 the one-device layer's, for a ``[B, S, H]`` input with a padding mask passed by keyword, a
 ``[T, H]`` input, and a replicated DTensor input (whose output comes back as a DTensor). Errors:
-inputs that differ between the TP ranks, and a sequence length TP does not divide.
+inputs that differ between the TP ranks, a sequence length TP does not divide, and (4 ranks) what
+a model's own parallelism may not do: DTensors on the data-parallel dims, its own ``fully_shard``,
+a pipeline split.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import torch
 import torch.distributed as dist
 from helpers.dist import run_distributed
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lightning_moe import MoEConfig, MoELayer
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
+from lightning_moe.parallel.lightning_mesh import lightning_device_mesh
+from lightning_moe.parallel.user_tensor_parallel import apply_user_tensor_parallel
 
 pytestmark = pytest.mark.distributed
 
@@ -103,3 +108,30 @@ def test_inputs_it_cannot_split_are_refused(tmp_path):
         assert "must stay a DTensor (use_local_output=False" in found["differ"]
         assert ("MoE layer 'moe': the sequence length 3 of its input (1, 3, 8) is not divisible by the tensor "
                 "parallel size 2") in found["length"]
+
+
+def _refusals(rank: int, world: int) -> dict:
+    found = {}
+    pipeline = build_parallel_context(ParallelDims(world, tp=2, pp=2), "cpu")
+    dense = build_parallel_context(ParallelDims(world, tp=2), "cpu")
+    two_d = _Holder()
+    mesh = lightning_device_mesh(dense)["data_parallel", "tensor_parallel"]
+    weight = two_d.moe.router.weight
+    two_d.moe.router.weight = nn.Parameter(distribute_tensor(weight.detach(), mesh, (Replicate(), Replicate())))
+    sharded = _Holder()
+    fully_shard(sharded, mesh=dense.dense_mesh["dp"])
+    for name, model, ctx in (("pipeline", _Holder(), pipeline), ("two_d", two_d, dense), ("fsdp", sharded, dense)):
+        try:
+            apply_user_tensor_parallel(model, ctx)
+            found[name] = "no error"
+        except ValueError as err:
+            found[name] = str(err)
+    return found
+
+
+def test_what_a_models_own_parallelism_may_not_do_is_refused(tmp_path):
+    for found in run_distributed(_refusals, 4, timeout_s=120, tmp_dir=tmp_path):
+        assert found["pipeline"].startswith("tensor_parallel_size=2 with pipeline_parallel_size=2 needs the reference"), found
+        assert ("moe.router.weight is a DTensor on the mesh dims ('data_parallel', 'tensor_parallel'); a model's own "
+                "tensor parallelism under MoEStrategy uses self.device_mesh['tensor_parallel'] alone") in found["two_d"]
+        assert "was sharded with fully_shard before MoEStrategy set it up" in found["fsdp"], found
