@@ -51,6 +51,7 @@ from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_sha
 from lightning_moe.parallel.fsdp_outputs import return_no_views
 from lightning_moe.parallel.fsdp_root import claim_units, set_chain_prefetch
 from lightning_moe.parallel.pipeline_split import StageModule
+from lightning_moe.parallel.user_tensor_parallel import tp_replicated_names
 
 __all__ = [
     "SHARDING_STRATEGIES",
@@ -152,13 +153,16 @@ def _tp_partial_names(model: nn.Module, ctx: ParallelContext) -> set[str]:
     """Names of the plain (not tensor-parallel) dense parameters: partial gradients per TP rank.
 
     Under folding every TP rank routes its own tokens, so the router, the shared expert and the
-    per-head q/k norms each hold the gradient of this rank's slice of the sequence only.
+    per-head q/k norms each hold the gradient of this rank's slice of the sequence only. Not those
+    of a model's own tensor parallelism that every TP rank computes whole
+    (:func:`~lightning_moe.parallel.user_tensor_parallel.tp_replicated_names`).
     """
     if ctx.size("tp") == 1:
         return set()
+    replicated = tp_replicated_names(model)
     return {
         name for name, p in model.named_parameters()
-        if not isinstance(p, DTensor) and expert_shard(p) is None
+        if not isinstance(p, DTensor) and expert_shard(p) is None and name not in replicated
     }
 
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.lightning_mesh import layout_dim_names
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
@@ -45,7 +46,8 @@ def _shard_groups(param: Tensor) -> tuple[str, ...]:
     """The groups whose ranks hold distinct pieces of ``param`` (see the module docstring)."""
     names: tuple[str, ...] = ()
     if isinstance(param, DTensor):
-        dims = param.device_mesh.mesh_dim_names or ()
+        # A model's own tensor parallelism uses Lightning's dim names ("tensor_parallel").
+        dims = layout_dim_names(param.device_mesh.mesh_dim_names)
         # FSDP2 shards a tensor-parallel dimension-0 shard again with a strided placement.
         names = tuple(
             dims[i] for i, placement in enumerate(param.placements)

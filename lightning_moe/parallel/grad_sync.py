@@ -11,7 +11,10 @@ Every gradient is pre-scaled by ``1 / (DP * CP)`` (the dense data-parallel world
   holds a partial gradient on each TP rank (sequence-parallel DTensor norms report theirs as
   ``Partial``; one that arrives already reduced is divided by TP first);
 * dense parameters sharded by tensor parallelism (DTensors with a ``Shard`` placement) over
-  ``dp_cp`` only; a gradient with another layout is first brought to the parameter's.
+  ``dp_cp`` only; a gradient with another layout is first brought to the parameter's;
+* plain parameters of a model's own tensor parallelism that every TP rank computes whole (outside
+  its MoE layers: :func:`~lightning_moe.parallel.user_tensor_parallel.tp_replicated_params`) over
+  ``dp_cp`` only.
 
 Gradients live in persistent bucket buffers, one flat tensor per bucket (one group, one dtype),
 allocated at the first backward: ``param.grad`` is a view of its slot, as with DDP's
@@ -77,6 +80,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.user_tensor_parallel import tp_replicated_params
 
 __all__ = ["FP32_BUCKETS_IN_FLIGHT", "GradSync", "reduce_group_name"]
 
@@ -84,11 +88,12 @@ FP32_BUCKETS_IN_FLIGHT = 2
 """Buckets held in fp32 at once while narrower gradients are reduced in fp32 (module docstring)."""
 
 
-def reduce_group_name(param: Tensor) -> str:
-    """The group a parameter's gradient is summed over (see the module docstring)."""
+def reduce_group_name(param: Tensor, tp_replicated: bool = False) -> str:
+    """The group a parameter's gradient is summed over (see the module docstring); ``tp_replicated``:
+    a plain parameter whose whole gradient every TP rank holds."""
     if is_expert_param(param):
         return "edp"
-    if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+    if tp_replicated or (isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)):
         return "dp_cp"
     return "tp_dp_cp"
 
@@ -229,10 +234,11 @@ class GradSync:
     def _make_buckets(self, module: nn.Module, cap_bytes: int) -> list[_Bucket]:
         # Reverse registration order approximates the order in which backward produces gradients.
         params = [p for p in module.parameters() if p.requires_grad][::-1]
+        replicated = {id(p) for p in tp_replicated_params(module)}
         buckets: list[_Bucket] = []
         open_buckets: dict[tuple[str, torch.dtype], _Bucket] = {}
         for p in params:
-            key = (reduce_group_name(p), _local(p).dtype)  # one group and one dtype per flat buffer
+            key = (reduce_group_name(p, id(p) in replicated), _local(p).dtype)  # one group and dtype per buffer
             numel = _local(p).numel()
             bucket = open_buckets.get(key)
             if bucket is None or (bucket.numel + numel) * _local(p).element_size() > cap_bytes:

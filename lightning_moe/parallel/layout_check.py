@@ -1,8 +1,7 @@
 """Check a model against a parallel layout before any process exists.
 
 :func:`~lightning_moe.parallel.parallelize` refuses a model that a layout cannot shard (experts
-that do not split over EP, heads or widths that do not divide by TP, MoE layers outside a
-tensor-parallel plan), but only inside ``MoEStrategy.setup``, i.e. after every rank started and
+that do not split over EP, heads or widths that do not divide by TP), but only inside ``MoEStrategy.setup``, i.e. after every rank started and
 joined its process groups, so the same error is printed once per rank. Those checks are pure
 arithmetic on the model's configuration and :class:`~lightning_moe.parallel.ParallelDims`:
 :func:`check_model_layout` runs them all in the launching process (the ``lightning-moe`` CLI does,
@@ -37,7 +36,6 @@ __all__ = [
     "expert_layer_problems",
     "layout_problems",
     "meta_copy",
-    "tensor_parallel_support_problem",
 ]
 
 
@@ -99,34 +97,12 @@ def expert_layer_problems(config: MoEConfig, dims: ParallelDims) -> list[str]:
     return problems
 
 
-def tensor_parallel_support_problem(model: nn.Module, tp: int) -> str | None:
-    """Why ``tp`` > 1 cannot shard ``model`` (None if it can): MoE layers outside a tensor-parallel plan.
-
-    The ranks of a TP group get the same samples; the reference :class:`MoETransformer` splits
-    each sequence over them (sequence parallelism). A MoE layer outside it would route the same
-    tokens on every TP rank and its gradients would count them TP times. The one source of this
-    check: ``MoEStrategy`` raises it, :func:`layout_problems` lists it.
-    """
-    if tp == 1:
-        return None
-    inside = {id(m) for t in model.modules() if isinstance(t, MoETransformer) for m in t.modules()}
-    outside = [name for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in inside]
-    if not outside:
-        return None
-    return (
-        f"tensor_parallel_size={tp} needs a model lightning_moe can shard over tensor parallelism "
-        f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
-        "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
-    )
-
-
 def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
     """Every reason :func:`~lightning_moe.parallel.parallelize` would refuse ``model`` on ``dims``.
 
     :func:`~lightning_moe.parallel.expert_support.expert_parallel_support_problem` (MoE blocks that
     are not ``MoELayer`` s under EP), :func:`expert_layer_problems` of every MoE layer,
-    :func:`tensor_parallel_support_problem`, and
-    ``apply_tensor_parallel``'s divisibility checks (vocabulary, heads and FFN over TP) of every
+    and ``apply_tensor_parallel``'s divisibility checks (vocabulary, heads and FFN over TP) of every
     :class:`~lightning_moe.models.MoETransformer`; one entry per distinct problem.
     """
     problems: list[str] = []
@@ -137,9 +113,6 @@ def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
         if isinstance(layer, MoELayer):
             problems.extend(p for p in expert_layer_problems(layer.config, dims) if p not in problems)
     if dims.tp > 1:
-        no_plan = tensor_parallel_support_problem(model, dims.tp)
-        if no_plan is not None:
-            problems.append(no_plan)
         for transformer in (m for m in model.modules() if isinstance(m, MoETransformer)):
             try:
                 _check_divisible(transformer, dims.tp)

@@ -9,7 +9,11 @@ layout. Order (each step assumes the previous ones):
    of every reference :class:`~lightning_moe.models.MoETransformer` inside ``model``: attention
    and dense layers sharded over TP, MoE layers fed this rank's sequence slice. Other modules
    stay replicated over TP; each TP rank then simply routes its own tokens (sequence-sharded
-   data), which is all MoE folding needs;
+   data), which is all MoE folding needs; then
+   (:func:`~lightning_moe.parallel.user_tensor_parallel.apply_user_tensor_parallel`) the tensor
+   parallelism a model applied itself in ``configure_model`` (``parallelize_module`` on
+   ``device_mesh["tensor_parallel"]``): its MoE layers route each TP rank's slice of their
+   replicated input, its plain parameters are reduced as replicated over TP;
 2. expert parallelism (:func:`~lightning_moe.parallel.expert_parallel.apply_expert_parallel`):
    experts sharded over EP x ETP, the token dispatcher and the router's reduce groups bound;
 3. sharded data parallelism (:func:`~lightning_moe.parallel.fully_shard.apply_fully_shard`,
@@ -32,6 +36,7 @@ from lightning_moe.parallel.context_parallel_apply import apply_context_parallel
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
 from lightning_moe.parallel.fully_shard import apply_fully_shard, check_fully_shard
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_moe.parallel.user_tensor_parallel import apply_user_tensor_parallel
 
 __all__ = ["parallelize"]
 
@@ -60,8 +65,10 @@ def parallelize(
     """
     check_fully_shard(model, ctx, sharding_strategy)
     apply_context_parallel(model, ctx, cp_comm_type)
-    for module in [m for m in model.modules() if isinstance(m, MoETransformer)]:
+    transformers = [m for m in model.modules() if isinstance(m, MoETransformer)]
+    for module in transformers:
         apply_tensor_parallel(module, ctx)
+    apply_user_tensor_parallel(model, ctx, planned=transformers)
     apply_expert_parallel(model, ctx, dispatcher=dispatcher, flex_backend=flex_backend)
     apply_fully_shard(model, ctx, sharding_strategy, mp_policy)
     return model

@@ -31,12 +31,11 @@ from lightning_moe.parallel.fully_shard import (
     record_tp_partial_params,
     tp_partial_params,
 )
-from lightning_moe.parallel.layout_check import tensor_parallel_support_problem
 from lightning_moe.parallel.parallelize import parallelize
+from lightning_moe.parallel.user_tensor_parallel import broadcast_dtensor_replicas
 
 __all__ = [
-    "broadcast_initial_state", "check_context_parallel_support", "check_expert_parallel_support",
-    "check_tensor_parallel_support", "materialize",
+    "broadcast_initial_state", "check_context_parallel_support", "check_expert_parallel_support", "materialize",
     "move_materialized", "prepare_model", "prepare_model_once", "shard_split_model",
 ]
 
@@ -61,16 +60,6 @@ def check_context_parallel_support(model: nn.Module, cp: int) -> None:
         )
 
 
-def check_tensor_parallel_support(model: nn.Module, tp: int) -> None:
-    """Raise ``ValueError`` unless every MoE layer of ``model`` sits in a tensor-parallel plan at ``tp``.
-
-    See :func:`~lightning_moe.parallel.layout_check.tensor_parallel_support_problem`.
-    """
-    problem = tensor_parallel_support_problem(model, tp)
-    if problem is not None:
-        raise ValueError(problem)
-
-
 def check_expert_parallel_support(model: nn.Module, dims: ParallelDims) -> None:
     """Raise ``ValueError`` when the expert layout of ``dims`` would shard nothing of ``model``.
 
@@ -86,7 +75,9 @@ def broadcast_initial_state(model: nn.Module) -> None:
 
     Replicated parameters must agree across ranks, and expert shards are cut from the same global
     tensors. Materialised models broadcast their tensors; meta-device models broadcast the seeds
-    (``init_seed`` attributes) their weights will be drawn from.
+    (``init_seed`` attributes) their weights will be drawn from. DTensors (a model's own tensor
+    parallelism) are left to
+    :func:`~lightning_moe.parallel.user_tensor_parallel.broadcast_dtensor_replicas`.
     """
     # Even with one process: the backend is then exercised exactly as at scale (device placement).
     if not dist.is_initialized():
@@ -98,7 +89,7 @@ def broadcast_initial_state(model: nn.Module) -> None:
         module.init_seed = seed
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
-            if not tensor.is_meta:
+            if not tensor.is_meta and not isinstance(tensor, DTensor):
                 dist.broadcast(tensor.data, src=0)
 
 
@@ -137,6 +128,7 @@ def prepare_model(
     """
     move_materialized(model, device)
     broadcast_initial_state(model)
+    broadcast_dtensor_replicas(model, ctx)
     options = {"dispatcher": dispatcher, "flex_backend": flex_backend, "cp_comm_type": cp_comm_type}
     if split is None:
         parallelize(model, ctx, sharding_strategy=sharding_strategy, mp_policy=mp_policy, **options)
@@ -181,7 +173,6 @@ def prepare_model_once(
     A model parallelized with another layout cannot be re-sharded in place: ``ValueError``.
     Returns the CPU GEMM choices of :func:`prepare_model` (empty when nothing was done).
     """
-    check_tensor_parallel_support(model, ctx.size("tp"))
     check_context_parallel_support(model, ctx.size("cp"))
     check_expert_parallel_support(model, ctx.dims)
     layout = (ctx.dims, dispatcher, sharding_strategy)

@@ -38,6 +38,7 @@ from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.parallel.lightning_mesh import lightning_device_mesh
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpoint_methods import CheckpointMethods
 from lightning_moe.strategies.checkpointing import MoECheckpointing
@@ -57,7 +58,6 @@ __all__ = ["MoEStrategy"]
 
 
 _STARTUP_TIMEOUT = timedelta(minutes=30)
-_LIGHTNING_MESH_NAMES = ("pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel")
 
 
 class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
@@ -217,7 +217,9 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The dense mesh with Lightning's dim names (pipeline/data/context/tensor_parallel)."""
+        """The dense mesh with Lightning's dim names (pipeline/data/context/tensor_parallel): a model applies its own
+        tensor parallelism with ``self.device_mesh["tensor_parallel"]`` in ``configure_model``, as under Lightning's
+        ``ModelParallelStrategy`` (:mod:`~lightning_moe.parallel.user_tensor_parallel`)."""
         if self._device_mesh is None:
             raise RuntimeError("The device mesh is built in setup_environment(); it is not available yet.")
         return self._device_mesh
@@ -295,11 +297,7 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
         if self._context is None:
             dims = self.parallel_dims(dist.get_world_size())
             self._context = build_parallel_context(dims, self.root_device.type, timeout=self._timeout)
-            dense = self._context.dense_mesh
-            self._device_mesh = DeviceMesh.from_group(
-                [dense.get_group(i) for i in range(dense.ndim)], self.root_device.type,
-                mesh=dense.mesh, mesh_dim_names=_LIGHTNING_MESH_NAMES,
-            )
+            self._device_mesh = lightning_device_mesh(self._context)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 

@@ -7,8 +7,9 @@ causal self-attention and output head, whose feed-forward layers are two
 built in ``__init__`` on the CPU (no ``configure_model``), trained by ``training_step`` with its
 own AdamW; nothing here knows about parallelism.
 
-It has no tensor-parallel plan: ``MoEStrategy(tensor_parallel_size=2)`` refuses it, expert
-parallelism shards its experts. Used by the CLI tests (named by ``class_path`` in a YAML, the file
+It has no tensor-parallel plan: under ``MoEStrategy(tensor_parallel_size=2)`` its dense layers stay
+replicated and each TP rank routes its slice of the MoE layers' input; expert parallelism shards
+its experts. Used by the CLI tests (named by ``class_path`` in a YAML, the file
 copied into a temporary "user project" first) and reusable wherever a realistic non-reference model
 is needed::
 

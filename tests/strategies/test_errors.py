@@ -151,24 +151,6 @@ def test_refit_under_another_expert_parallel_size_is_refused_or_resharded(tmp_pa
         assert [r["local_experts"] for r in results] == [2] * 4
 
 
-def _tp_without_a_plan(rank: int, world_size: int) -> str:
-    trainer = L.Trainer(**quiet_trainer_kwargs(
-        devices=2, strategy=MoEStrategy(tensor_parallel_size=2, expert_tensor_parallel_size=1), max_steps=1
-    ))
-    try:
-        trainer.fit(ToyModule(), train_loader(make_dataset(8)))
-    except ValueError as err:
-        return str(err)
-    return "trained"
-
-
-@pytest.mark.distributed
-def test_tensor_parallel_needs_the_reference_model(tmp_path):
-    """TP ranks get the same samples; MoE layers outside MoETransformer would count them twice."""
-    for message in run_distributed(_tp_without_a_plan, 2, tmp_dir=tmp_path):
-        assert re.search(r"tensor_parallel_size=2 needs a model .*MoETransformer.*moe1", message), message
-
-
 def test_unknown_cp_comm_type_is_refused():
     with pytest.raises(ValueError, match=r"Unknown cp_comm_type 'ring'; choose one of \['p2p', 'all_gather'\]"):
         MoEStrategy(context_parallel_size=2, cp_comm_type="ring")
