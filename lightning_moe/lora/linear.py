@@ -16,6 +16,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import Replicate
 
 from lightning_moe.layers.experts import expert_generator
 from lightning_moe.layers.weight_init import write_full
@@ -74,6 +75,12 @@ class LoRALinear(nn.Linear):
             weight = weight.to(x.dtype)  # a base kept in a narrower dtype
         base = F.linear(x, weight, self.bias)
         a = F.dropout(x, self.lora_dropout, training=True) if self.lora_dropout and self.training else x
+        placements = getattr(a, "placements", None)
+        if placements is not None and getattr(self.lora_A, "placements", None) == tuple(Replicate() for _ in placements):
+            # Row-parallel under tensor parallelism: the input is sharded on ``in`` and both factors are
+            # whole (lightning_moe.parallel.tensor_parallel.place_linear_adapters); gather the input
+            # so the adapter's product is one replicated term and never a partial sum of the rank.
+            a = a.redistribute(a.device_mesh, self.lora_A.placements)
         a = F.linear(a, self.lora_A if self.lora_A.dtype == x.dtype else self.lora_A.to(x.dtype))
         update = F.linear(a, self.lora_B if self.lora_B.dtype == a.dtype else self.lora_B.to(a.dtype))
         return base + update * self.lora_scale
