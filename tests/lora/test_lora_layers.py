@@ -14,7 +14,15 @@ from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.expert_kernels import reference_expert_mlp
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.lora import LoRAConfig, LoRAGroupedExperts, LoRALinear, adapter_parameters, apply_lora
+from lightning_moe.lora import (
+    LoRAConfig,
+    LoRAGroupedExperts,
+    LoRALinear,
+    adapter_parameters,
+    apply_lora,
+    lora_modules,
+    merge_lora,
+)
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 
 HIDDEN, FFN = 16, 8  # multiples of 8: grouped_mm's aligned strides
@@ -175,3 +183,23 @@ def test_gated_adapter_state_dict_layout(activation):
     _randomise_b(experts)
     fresh.load_state_dict(experts.state_dict())
     assert torch.equal(fresh.fc1_lora_B, experts.fc1_lora_B)
+
+
+def test_merge_lora_keeps_the_logits_and_restores_the_plain_keys():
+    model = _tiny_model()
+    plain_keys = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    apply_lora(model, LoRAConfig(rank=RANK, alpha=ALPHA))
+    _randomise_b(model)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        adapted = model(tokens)
+    merge_lora(model)
+    assert not lora_modules(model)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == plain_keys
+    with torch.no_grad():
+        merged = model(tokens)
+    assert_close_to_scale(merged, adapted, FP32_OUT_TOL, "merged logits")
+    # The adapters changed the model (the comparison is not vacuous).
+    plain = _tiny_model()
+    with torch.no_grad():
+        assert (plain(tokens) - adapted).abs().max() > 10 * FP32_OUT_TOL * adapted.abs().max()
