@@ -218,6 +218,21 @@ class GroupedExperts(nn.Module):
         self.register_state_dict_post_hook(present_checkpoint_layout)
         self.register_load_state_dict_pre_hook(accept_checkpoint_layout)
 
+    def expert_tensors(self) -> dict[str, tuple[int | None, bool, int]]:
+        """Every stacked per-expert parameter, by name: ``(F dimension, gated, H-like dimension)``.
+
+        The F dimension is the one expert-tensor parallelism cuts (None: every ETP rank holds the
+        whole tensor), ``gated``: that axis is ``[gate ; up]`` with each half cut separately, and
+        the last entry the dimension sharded data parallelism splits over EDP. Expert parallelism
+        cuts dimension 0 of all of them. Subclasses with more stacked parameters (adapters) add theirs.
+        """
+        tensors: dict[str, tuple[int | None, bool, int]] = {
+            "fc1_weight": (1, is_gated(self.activation), 2), "fc2_weight": (2, False, 1),
+        }
+        if self.fc2_bias is not None:
+            tensors["fc2_bias"] = (None, False, 1)
+        return tensors
+
     def place_weight_grad(self, param: Tensor, memory: Tensor | None) -> bool:
         """Have the expert kernel write ``param``'s gradient into ``memory`` from the next backward on
         (None: into memory of its own again, letting go of the placed one).

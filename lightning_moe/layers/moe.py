@@ -23,6 +23,7 @@ from lightning_moe.layers.experts import GroupedExperts, expert_generator
 from lightning_moe.layers.permute import pad_routing_map
 from lightning_moe.layers.router import TopKRouter
 from lightning_moe.layers.shared_expert import SharedExpertMLP
+from lightning_moe.layers.weight_init import reset_adapters
 
 __all__ = ["MoELayer"]
 
@@ -98,6 +99,7 @@ class MoELayer(nn.Module):
             self.shared_expert.reset_parameters(expert_generator(self.init_seed, _SHARED_EXPERT_STREAM), std)
         if self.router.expert_bias is not None:
             self.router.expert_bias.zero_()
+        reset_adapters(self)
 
     def forward(self, hidden: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """Route every token to its experts and return the combined output, shaped like ``hidden``."""

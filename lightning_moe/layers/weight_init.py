@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["set_sharded_writer", "write_full"]
+__all__ = ["reset_adapters", "set_sharded_writer", "write_full"]
 
 ShardedWriter = Callable[[Tensor, Tensor, "int | None"], None]
 _sharded_writer: ShardedWriter | None = None
@@ -36,3 +36,15 @@ def write_full(weight: Tensor, values: Tensor, index: int | None = None) -> None
         weight.copy_(values)
     else:
         weight[index].copy_(values)
+
+
+def reset_adapters(module: nn.Module) -> None:
+    """Re-draw the adapters (``reset_adapter_parameters()``, e.g. LoRA's) of every submodule of ``module``.
+
+    Called last by the layers and models that draw their whole subtree themselves, so adapters
+    added to their submodules get their initial values too when a meta-device model is materialised.
+    """
+    for sub in module.modules():
+        reset = getattr(sub, "reset_adapter_parameters", None)
+        if callable(reset):
+            reset()

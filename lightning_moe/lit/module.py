@@ -28,6 +28,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_moe.data.token_check import check_token_ids, vocab_problem
+from lightning_moe.lora import LoRAConfig, apply_lora
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT
 from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
@@ -202,6 +203,9 @@ class MoELanguageModel(L.LightningModule):
         check_every_batch: check the token ids of every batch against ``vocab_size`` (a debugging
             switch: one host read per step). By default only the first batch of each stage (fit,
             validate, test, predict) is checked, so training pays no per-step host read.
+        lora: fine-tune with LoRA adapters (:class:`~lightning_moe.lora.LoRAConfig`; a mapping of its
+            fields in YAML, ``model.lora``): applied to the transformer when it is built, before the
+            strategy parallelises it, and only the adapters are trained (the rest is frozen).
 
     Under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is built on the meta
     device, parallelised and materialised by the strategy (each rank draws only its shard), and with
@@ -226,8 +230,12 @@ class MoELanguageModel(L.LightningModule):
         init_from: str | None = None,
         model_overrides: dict[str, OverrideValue] | None = None,
         check_every_batch: bool = False,
+        lora: LoRAConfig = None,  # None: full fine-tuning; not Optional[...], so --help inlines the fields
     ) -> None:
         super().__init__()
+        if isinstance(lora, dict):  # from a checkpoint's hyperparameters
+            lora = LoRAConfig(**lora)
+        self.lora = lora
         self.config, family, extra = _resolve_config(model, init_from, model_overrides)
         self._hf_record = model_record(self.config, family, extra, init_from)
         # Plain containers only, so checkpoints load with torch.load(weights_only=True).
@@ -236,6 +244,7 @@ class MoELanguageModel(L.LightningModule):
             "weight_decay": weight_decay, "betas": list(betas), "warmup_steps": warmup_steps,
             "min_lr_ratio": min_lr_ratio, "init_from": None if init_from is None else str(init_from),
             "model_overrides": model_overrides, "check_every_batch": check_every_batch,
+            "lora": None if lora is None else asdict(lora),
         })
         self.init_from = init_from
         # Whether init_from's weights still have to be read (a restored checkpoint clears it).
@@ -265,6 +274,8 @@ class MoELanguageModel(L.LightningModule):
                 self.model = MoETransformer(self.config)
         else:
             self.model = MoETransformer(self.config)
+        if self.lora is not None:
+            apply_lora(self.model, self.lora)
         self._init_pending = self.init_from is not None
 
     def load_pretrained_weights(self) -> None:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.layers.weight_init import write_full
+from lightning_moe.layers.weight_init import reset_adapters, write_full
 from lightning_moe.models.attention import Attention, RMSNorm
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.mla import MultiLatentAttention
@@ -259,6 +259,7 @@ class MoETransformer(nn.Module):
                 values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
                 write_full(weight, values)
                 del values  # one drawn tensor alive at a time
+        reset_adapters(self)  # LoRA adapters of the linear layers drawn above (the MoE layers did theirs)
 
     def forward(
         self, tokens: Tensor, padding_mask: Tensor | None = None, position_ids: Tensor | None = None

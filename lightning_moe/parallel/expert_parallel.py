@@ -40,7 +40,7 @@ from lightning_moe.parallel.layout_check import expert_layer_problems
 
 __all__ = [
     "ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "contiguous_strides", "expert_hidden_dim",
-    "expert_shard", "ffn_block_ranges", "is_expert_param", "record_fsdp_sharding",
+    "expert_shard", "ffn_block_ranges", "is_expert_param", "record_fsdp_sharding", "sum_etp_partial_grads",
 ]
 
 _SHARD_ATTR = "_lightning_moe_expert_shard"
@@ -65,6 +65,11 @@ class ExpertShard:
     fsdp_dim: int | None = None
     """Dimension that sharded data parallelism (FSDP2) splits over ``edp``: the hidden dimension H
     (see :func:`expert_hidden_dim`), or None when the local experts are replicated over EDP."""
+    hidden_dim: int | None = None
+    """The dimension :func:`expert_hidden_dim` gives FSDP2 (None: derived from ``ffn_dim``)."""
+    etp_replicas: int = 1
+    """ETP ranks holding this same tensor, each computing a part of its gradient (an adapter factor
+    that ETP does not cut): the parts are summed over ``etp`` (:func:`sum_etp_partial_grads`)."""
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
@@ -92,6 +97,8 @@ def expert_hidden_dim(shard: ExpertShard) -> int:
     Neither EP (dimension 0) nor ETP (the F dimension) splits it, so sharded data parallelism
     splits it over EDP and the global view stays one regular DTensor sharding.
     """
+    if shard.hidden_dim is not None:
+        return shard.hidden_dim
     return 2 if shard.ffn_dim == 1 else 1
 
 
@@ -258,6 +265,25 @@ class _ExpertStateDictHooks:
             state_dict[key] = self.converter.to_local(state_dict[key], shard, param.shape[0], name=key)
 
 
+def sum_etp_partial_grads(param: Tensor, ctx: ParallelContext) -> None:
+    """Sum each gradient of ``param`` (an expert tensor every ETP rank holds whole) over ``etp``.
+
+    Every ETP rank computes with its F block, so a factor that is not cut over F (an adapter's
+    fc1 down projection or fc2 up projection) gets a part of its gradient on each rank. The hook
+    runs on each backward's gradient before it is accumulated, so gradient accumulation sums the
+    complete micro-batch gradients; the ETP ranks of a group run the same graph and so reach their
+    hooks in the same order. Summing over EDP then follows as for every expert gradient.
+    """
+    group = ctx.group("etp")
+
+    def reduce(grad: Tensor) -> Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    param.register_hook(reduce)
+
+
 def _group_sum(group):
     def reduce(tensor: Tensor) -> Tensor:
         dist.all_reduce(tensor, group=group)
@@ -289,17 +315,20 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
     nle = config.num_experts // ep
     gated = is_gated(config.activation)
     offset = ctx.rank_in("ep") * nle
-    specs = {
-        "fc1_weight": ExpertShard(tuple(experts.fc1_weight.shape), offset, 1, ctx.rank_in("etp"), etp, gated),
-        "fc2_weight": ExpertShard(tuple(experts.fc2_weight.shape), offset, 2, ctx.rank_in("etp"), etp, False),
-    }
-    if experts.fc2_bias is not None:
-        specs["fc2_bias"] = ExpertShard(tuple(experts.fc2_bias.shape), offset, None, 0, 1, False)
+    specs = {}
+    for name, (ffn_dim, gated, hidden_dim) in experts.expert_tensors().items():
+        shape = tuple(getattr(experts, name).shape)
+        if ffn_dim is None:
+            specs[name] = ExpertShard(shape, offset, None, 0, 1, False, hidden_dim=hidden_dim, etp_replicas=etp)
+        else:
+            specs[name] = ExpertShard(shape, offset, ffn_dim, ctx.rank_in("etp"), etp, gated, hidden_dim=hidden_dim)
     for name, spec in specs.items():
         full = getattr(experts, name)
         local = _local_slice(full.detach(), spec, nle).clone()
         setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
         experts.tag_parameter(name, _SHARD_ATTR, spec)
+        if spec.etp_replicas > 1 and full.requires_grad:
+            sum_etp_partial_grads(getattr(experts, name), ctx)
     experts.num_experts, experts.expert_offset = nle, offset
     experts.ffn_hidden_size //= etp
     experts.ffn_shard = (ctx.rank_in("etp"), etp)

@@ -28,14 +28,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_moe.parallel.context import ParallelContext
-from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.expert_parallel import expert_shard, is_expert_param
 from lightning_moe.parallel.lightning_mesh import layout_dim_names
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
 
 _KEYS = (
-    (), ("tp",), ("etp_ep",), ("dp",), ("dp", "tp"), ("dp_cp",), ("dp_cp", "tp"), ("edp", "etp_ep"),
+    (), ("tp",), ("etp_ep",), ("dp",), ("dp", "tp"), ("dp_cp",), ("dp_cp", "tp"), ("edp", "etp_ep"), ("ep",),
+    ("edp", "ep"),
 )
 """Every combination of groups a gradient can be sharded over, in the order all ranks reduce them."""
 _ALWAYS = _KEYS[:3]
@@ -54,7 +55,8 @@ def _shard_groups(param: Tensor) -> tuple[str, ...]:
             if placement.is_shard() or isinstance(placement, _StridedShard)
         )
     if is_expert_param(param):
-        names = (*names, "etp_ep")
+        # A tensor every ETP rank holds whole (an adapter factor) is counted once per ETP group.
+        names = (*names, "ep" if expert_shard(param).etp_replicas > 1 else "etp_ep")
     return names
 
 

@@ -32,6 +32,7 @@ summed over TP x DP x CP. Requires the vocabulary, the head counts and the FFN w
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
@@ -54,6 +55,7 @@ __all__ = [
     "GatheredNormParallel",
     "ReplicateParallel",
     "apply_tensor_parallel",
+    "place_linear_adapters",
     "shard_moe_input",
     "tensor_parallel_plan",
 ]
@@ -209,6 +211,39 @@ def _mla_plan(prefix: str, attention: MultiLatentAttention) -> dict[str, object]
     return plan
 
 
+def _replicated(param: DTensor) -> nn.Parameter:
+    """``param`` as a DTensor replicated over its mesh (meta tensors stay meta, to be drawn later)."""
+    if param.is_meta:
+        value = DTensor.from_local(torch.empty(param.shape, device="meta"), param.device_mesh,
+                                   [Replicate()] * param.device_mesh.ndim, run_check=False)
+    else:
+        value = param.detach().redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim)
+    return nn.Parameter(value, requires_grad=param.requires_grad)
+
+
+def place_linear_adapters(model: nn.Module) -> None:
+    """Lay out the LoRA adapters of tensor-parallel linear layers so that their product is exact and local.
+
+    torch's column- and row-wise styles shard every parameter of a linear layer like its weight;
+    for an adapter ``B @ A`` that would split the rank dimension of one factor. Instead: a
+    column-parallel layer (weight ``Shard(0)``) keeps ``B`` ``[out, r]`` sharded on its output rows
+    and replicates ``A``; a row-parallel one (weight ``Shard(1)``) replicates both, and
+    ``LoRALinear`` gathers its input for the adapter (a partial ``[N, r]`` product would have to be
+    reduced inside DTensor's backward, which cannot accumulate into a partial gradient). DTensor
+    then reduces the replicated factors' gradients.
+    """
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, DTensor) or not {"lora_A", "lora_B"} <= set(module._parameters):
+            continue
+        placement = weight.placements[0]
+        if placement == Shard(0):
+            module.lora_A = _replicated(module.lora_A)
+        elif placement == Shard(1):
+            module.lora_A = _replicated(module.lora_A)
+            module.lora_B = _replicated(module.lora_B)
+
+
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     """Shard ``model`` (a MoETransformer) over the ``tp`` dimension of ``ctx``; no-op at TP=1."""
     tp = ctx.size("tp")
@@ -226,6 +261,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
 
     model.register_forward_pre_hook(check_sequence_length)
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    place_linear_adapters(model)
     model.vocab_parallel = VocabParallelLogits(tp_mesh, model.config.vocab_size)
     for block in model.layers:
         if isinstance(block.attn, MultiLatentAttention):
