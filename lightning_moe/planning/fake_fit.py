@@ -58,6 +58,7 @@ from lightning_moe.planning.plan_config import (
     is_reference,
     plan_cli,
 )
+from lightning_moe.planning.repeated_blocks import BlockCut, cut_blocks
 from lightning_moe.planning.step_probe import Collective, StepProbe
 
 __all__ = ["RankStep", "fake_fit_rank"]
@@ -81,9 +82,14 @@ class RankStep:
     dispatch_bytes: int = 0
     """Of the peak, the token dispatchers' buffers (rows sent, received, regrouped), part of `activation_bytes`."""
     collectives: list[Collective] = field(default_factory=list)
-    """The collectives this rank issued during the step."""
+    """The collectives this rank issued during the step (none listed for a stage extrapolated from
+    runs with fewer blocks: see `cut_blocks`)."""
     host_reads: int = 0
     """Reads of device values by the host during the step (device synchronisations on a GPU)."""
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    """The largest live bytes in each phase of the step (``forward``, ``backward``, ``optimizer``, ...)."""
+    cut_blocks: dict[int, int] = field(default_factory=dict)
+    """Kinds of blocks this run cut (`~lightning_moe.planning.repeated_blocks`): how many the rank holds."""
 
     @property
     def activation_bytes(self) -> int:
@@ -94,7 +100,7 @@ class RankStep:
 
 def fake_fit_rank(
     args: list[str], rank: int, world_size: int, *, imbalance: float = 1.0, measure_step: int = 1,
-    objects: FakeObjects | None = None,
+    objects: FakeObjects | None = None, cut: BlockCut | None = None,
 ) -> RankStep:
     """Run ``lightning-moe fit ARGS`` as ``rank`` of ``world_size`` on fake tensors and return what
     optimizer step ``measure_step`` (0-based; the default 1 runs with AdamW's moments) held.
@@ -103,6 +109,7 @@ def fake_fit_rank(
     ``imbalance`` (>= 1): every expert receives this times its balanced share of rows.
     ``objects``: the object broadcasts of the ranks planned before in this process (`FakeObjects`);
     raises `AwaitsObject` when this rank needs one of a rank not planned yet.
+    ``cut``: run the rank's stage with fewer blocks of its repeated kinds (`BlockCut`; None: all).
     """
     if imbalance < 1:
         raise PlanConfigError(f"imbalance must be >= 1 (1 = perfectly balanced routing), got {imbalance}.")
@@ -115,7 +122,9 @@ def fake_fit_rank(
         trainer.callbacks.append(meter)
         objects = FakeObjects() if objects is None else objects
         objects.new_rank()
-        with _faked_training(meter, cli.planned_for_gpu, _routing_answers(cli, imbalance), objects):
+        cut_kinds: dict[int, int] = {}
+        with _faked_training(meter, cli.planned_for_gpu, _routing_answers(cli, imbalance), objects), \
+                _blocks_cut(rank, cut, cut_kinds):
             if loader is None:
                 trainer.fit(module, datamodule=cli.datamodule)
             else:
@@ -126,6 +135,7 @@ def fake_fit_rank(
                 "data holds fewer batches than the planner needs."
             )
         meter.result.rank = rank
+        meter.result.cut_blocks = cut_kinds
         return meter.result
 
 
@@ -207,9 +217,36 @@ class _StepMeter(L.Callback):
         self.result = RankStep(
             rank=-1, params_bytes=storage_bytes(pl_module.parameters()), grads_bytes=self._grads,
             optimizer_bytes=storage_bytes(states), peak_bytes=record.peak_bytes, start_bytes=record.start_bytes,
-            dispatch_bytes=record.peak_dispatch_bytes,
+            dispatch_bytes=record.peak_dispatch_bytes, phase_peaks=dict(record.phase_peaks),
             collectives=list(record.collectives), host_reads=len(record.host_reads),
         )
+
+
+@contextmanager
+def _blocks_cut(rank: int, cut: BlockCut | None, found: dict[int, int]) -> Iterator[None]:
+    """Cut the rank's blocks (`cut_blocks`) when the strategy sets the model up, before it splits or
+    shards it; ``found`` gets the kinds cut."""
+    if cut is None:
+        yield
+        return
+    from lightning_moe.strategies import moe_strategy
+
+    real_setup = moe_strategy.MoEStrategy.setup
+
+    def setup(self, trainer) -> None:
+        pipeline = self._pipeline
+        dims = self.parallel_dims(self.num_nodes * self.num_processes)
+        kinds, split = cut_blocks(
+            self.lightning_module, dims.coords(rank).pp, dims.pp, 1 if pipeline is None else pipeline.virtual_stages,
+            None if pipeline is None else pipeline.layer_split, cut,
+        )
+        if pipeline is not None:
+            pipeline.layer_split = split
+        found.update(kinds)
+        real_setup(self, trainer)
+
+    with mock.patch.object(moe_strategy.MoEStrategy, "setup", setup):
+        yield
 
 
 @contextmanager

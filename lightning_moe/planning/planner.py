@@ -4,12 +4,14 @@ per rank, before any GPU is rented.
 Runs the configuration's real setup and training step (`lightning_moe.planning.fake_fit`) once per
 distinct rank role: the first rank of every pipeline stage (ranks of one stage hold the same shapes:
 the layouts shard evenly, routing is taken balanced times ``imbalance``), several at once in forked
-processes (`lightning_moe.planning.rank_runs`). The largest of them is the answer; every stage is
+processes (`lightning_moe.planning.rank_runs`); a stage's repeated blocks are extrapolated from
+runs with one and two of them (`lightning_moe.planning.repeated_blocks`). The largest of them is the answer; every stage is
 reported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings
 from lightning_moe.planning.plan_config import PlanConfigError, read_layout
 from lightning_moe.planning.rank_runs import default_jobs, run_ranks
+from lightning_moe.planning.repeated_blocks import BlockCut, extrapolate
 from lightning_moe.planning.step_probe import Collective
 
 __all__ = [
@@ -123,7 +126,7 @@ class Plan:
 
 
 def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | str | None = None,
-         measure_step: int = 1, jobs: int | None = None) -> Plan:
+         measure_step: int = 1, jobs: int | None = None, exact: bool = False) -> Plan:
     """Plan ``lightning-moe fit ARGS``: run its setup and step as the first rank of every pipeline stage.
 
     ``imbalance``: routing imbalance (each expert gets this times its balanced share); default
@@ -131,7 +134,9 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     else 1.0, which a real router exceeds: the report says so. ``gpu_memory``: the device's bytes
     (or e.g. ``"80GB"``) to say whether the largest rank fits. ``jobs``: how many ranks are
     planned at once, in forked processes (default: one per CPU; 1: one after another in this
-    process; see `lightning_moe.planning.rank_runs`).
+    process; see `lightning_moe.planning.rank_runs`). A stage with many blocks of one kind is
+    planned from runs with one and two of them (`lightning_moe.planning.repeated_blocks`);
+    ``exact=True`` runs every block.
     """
     layout = read_layout(args)
     dims = layout.dims
@@ -147,17 +152,53 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     # Stage 0 first, then the last stage: they send the boundary shapes the others wait for.
     order = sorted(roles.values(), key=lambda r: (dims.coords(r).pp not in (0, dims.pp - 1), dims.coords(r).pp))
 
-    def run(rank: int, objects: FakeObjects) -> RankStep:
+    def run(key: tuple[int, int | None], objects: FakeObjects) -> RankStep:
+        rank, grown = key
         return fake_fit_rank(args, rank, dims.world_size, imbalance=imbalance, measure_step=measure_step,
-                             objects=objects)
+                             objects=objects, cut=None if exact else BlockCut(grown))
 
-    steps = run_ranks(order, run, default_jobs(len(order)) if jobs is None else jobs)
-    done = {stage: steps[rank] for stage, rank in roles.items()}
-    stages = [StagePlan(s, done[s], communication_bytes(done[s].collectives, dims, done[s].rank,
-                                                        layout.sharding_strategy))
-              for s in sorted(done)]
+    jobs = default_jobs(len(order)) if jobs is None else jobs
+    sent: dict = {}
+    base = run_ranks([(rank, None) for rank in order], run, jobs, sent)
+    grown_keys = [(rank, kind) for rank in order for kind in base[rank, None].cut_blocks]
+    grown = run_ranks(grown_keys, run, jobs, sent) if grown_keys else {}
+
+    def stage_plan(stage: int, rank: int) -> StagePlan:
+        step = base[rank, None]
+        kinds = {kind: grown[rank, kind] for kind in step.cut_blocks}
+        return _whole_stage(stage, step, kinds, lambda s: communication_bytes(
+            s.collectives, dims, rank, layout.sharding_strategy))
+
+    stages = [stage_plan(stage, rank) for stage, rank in sorted(roles.items())]
     return Plan(list(args), dims, layout.sharding_strategy, layout.precision, layout.devices_per_node,
                 layout.num_nodes, imbalance, stages, None if gpu_memory is None else parse_bytes(gpu_memory), warnings)
+
+
+_EXTRAPOLATED = ("params_bytes", "grads_bytes", "optimizer_bytes", "start_bytes", "dispatch_bytes", "host_reads")
+
+
+def _whole_stage(stage: int, base: RankStep, grown: dict[int, RankStep], communication) -> StagePlan:
+    """The stage's plan from its run with one block of each cut kind and, per kind, the run with
+    two of it (`lightning_moe.planning.repeated_blocks`); the run itself when nothing was cut."""
+    base_bytes = communication(base)
+    if not grown:
+        return StagePlan(stage, base, base_bytes)
+    held = base.cut_blocks
+
+    def whole(base_value: int, grown_value) -> int:
+        return round(extrapolate(base_value, {k: grown_value(s) for k, s in grown.items()}, held))
+
+    values = {name: whole(getattr(base, name), lambda s, name=name: getattr(s, name)) for name in _EXTRAPOLATED}
+    # Each phase's peak grows by its own amount per block (the forward's by what a block keeps, the
+    # backward's less what it frees): the step's peak is the largest of the phases' peaks.
+    phases = {phase: whole(peak, lambda s, phase=phase: s.phase_peaks[phase]) for phase, peak in base.phase_peaks.items()}
+    values["peak_bytes"] = max([values["start_bytes"], *phases.values()])
+    grown_bytes = {kind: communication(step) for kind, step in grown.items()}
+    whole_step = dataclasses.replace(base, collectives=[], phase_peaks=phases, **values)
+    return StagePlan(stage, whole_step, {
+        kind: round(extrapolate(base_bytes[kind], {k: b[kind] for k, b in grown_bytes.items()}, held))
+        for kind in base_bytes
+    })
 
 
 def classify_collective(c: Collective, groups: dict[str, tuple[int, ...]], fsdp: bool) -> str:

@@ -10,11 +10,14 @@ sent so far. ``jobs=1`` runs them one after another in this process.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
 import pickle
+import signal
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from multiprocessing.connection import wait
 
 from lightning_moe.planning.fake_objects import AwaitsObject, FakeObjects
@@ -22,8 +25,11 @@ from lightning_moe.planning.plan_config import PlanConfigError
 
 __all__ = ["default_jobs", "run_ranks"]
 
-RunRank = Callable[[int, FakeObjects], object]
-"""``run(rank, objects)``: the rank's fake step, receiving from and sending to ``objects``."""
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+RunRank = Callable[[Hashable, FakeObjects], object]
+"""``run(key, objects)``: a run's fake step (``key`` names it: a rank, or a rank and what it runs),
+receiving from and sending to ``objects``."""
 
 
 def default_jobs(num_ranks: int) -> int:
@@ -32,19 +38,21 @@ def default_jobs(num_ranks: int) -> int:
     return max(1, min(cpus, num_ranks))
 
 
-def run_ranks(ranks: Sequence[int], run: RunRank, jobs: int) -> dict[int, object]:
-    """``{rank: run(rank, objects)}`` for every rank in ``ranks`` (in that order of preference).
+def run_ranks(ranks: Sequence[Hashable], run: RunRank, jobs: int, sent: dict | None = None) -> dict[Hashable, object]:
+    """``{key: run(key, objects)}`` for every key in ``ranks`` (in that order of preference).
 
-    Raises `PlanConfigError` when the remaining ranks only wait for each other's objects, and the
+    ``sent``: the objects earlier runs sent (`FakeObjects.sent`), updated with this call's. Raises `PlanConfigError` when the remaining ranks only wait for each other's objects, and the
     first error a rank raised otherwise (a worker's error with its traceback in the message).
     """
+    sent = {} if sent is None else sent
     if jobs <= 1 or len(ranks) <= 1:
-        return _one_by_one(ranks, run)
-    return _forked(ranks, run, jobs)
+        return _one_by_one(ranks, run, sent)
+    return _forked(ranks, run, jobs, sent)
 
 
-def _one_by_one(ranks: Sequence[int], run: RunRank) -> dict[int, object]:
+def _one_by_one(ranks: Sequence[Hashable], run: RunRank, sent: dict) -> dict[Hashable, object]:
     objects, done, pending = FakeObjects(), {}, list(ranks)
+    objects.sent = sent
     while pending:
         waiting = []
         for rank in pending:
@@ -58,11 +66,10 @@ def _one_by_one(ranks: Sequence[int], run: RunRank) -> dict[int, object]:
     return done
 
 
-def _forked(ranks: Sequence[int], run: RunRank, jobs: int) -> dict[int, object]:
+def _forked(ranks: Sequence[Hashable], run: RunRank, jobs: int, sent: dict) -> dict[Hashable, object]:
     context = multiprocessing.get_context("fork")
-    sent: dict = {}
-    done: dict[int, object] = {}
-    tried_with: dict[int, int] = {}  # rank -> how many objects its last run that waited started with
+    done: dict[Hashable, object] = {}
+    tried_with: dict[Hashable, int] = {}  # rank -> how many objects its last run that waited started with
     running: dict = {}  # connection -> (rank, process, how many objects it started with)
     try:
         while len(done) < len(ranks):
@@ -99,7 +106,16 @@ def _forked(ranks: Sequence[int], run: RunRank, jobs: int) -> dict[int, object]:
     return done
 
 
-def _child(run: RunRank, rank: int, sent: dict, sender) -> None:
+def _die_with_parent() -> None:
+    """Linux: this process is killed when the planner's process dies (a SIGTERM or SIGKILL to it
+    would otherwise leave the workers planning on)."""
+    # Elsewhere there is no libc.so.6: the parent's finally-block still stops them on errors and Ctrl-C.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _child(run: RunRank, rank: Hashable, sent: dict, sender) -> None:
+    _die_with_parent()
     objects = FakeObjects()
     objects.sent = sent
     try:
@@ -122,7 +138,7 @@ def _portable(error: BaseException) -> BaseException:
         return RuntimeError(f"planning a rank failed in a worker process:\n{text}")
 
 
-def _receive(receiver, rank: int) -> tuple[str, object, dict]:
+def _receive(receiver, rank: Hashable) -> tuple[str, object, dict]:
     try:
         return receiver.recv()
     except EOFError:

@@ -8,6 +8,7 @@ real configurations this way is checked against real runs in ``test_plan_vs_meas
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -68,3 +69,42 @@ def test_a_worker_error_is_raised_in_the_caller():
         run_ranks([0, 1], _refused, 2)
     with pytest.raises(RuntimeError, match=r"(?s)failed in a worker process.*cannot travel"):
         run_ranks([0, 1], _unpicklable, 2)
+
+
+def _sleeps_forever(rank, objects):
+    with open(os.environ["WORKER_PID_FILE"], "w") as f:
+        f.write(str(os.getpid()))
+    import time
+    time.sleep(600)
+
+
+def test_the_workers_die_with_the_planner(tmp_path, monkeypatch):
+    """A planner killed by a signal (no cleanup runs) takes its workers with it (Linux)."""
+    import multiprocessing
+    import signal
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signals are Linux's")
+    pid_file = tmp_path / "worker.pid"
+    monkeypatch.setenv("WORKER_PID_FILE", str(pid_file))
+    planner = multiprocessing.get_context("fork").Process(target=run_ranks, args=([0, 1], _sleeps_forever, 2))
+    planner.start()
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "no worker started"
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    os.kill(planner.pid, signal.SIGKILL)
+    planner.join()
+    while _alive(worker):
+        assert time.monotonic() < deadline, f"worker {worker} outlived the planner"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has died
+    except FileNotFoundError:
+        return False
