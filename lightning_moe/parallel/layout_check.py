@@ -25,11 +25,11 @@ from torch import nn
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.config_error import ConfigError, raise_problems
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_support import expert_parallel_support_problem
-from lightning_moe.parallel.tensor_parallel import _check_divisible
+from lightning_moe.parallel.model_plan import planned_modules
+from lightning_moe.parallel.tensor_parallel import tensor_parallel_problems
 
 __all__ = [
     "LayoutError",
@@ -102,20 +102,22 @@ def expert_layer_problems(config: MoEConfig, dims: ParallelDims) -> list[str]:
 def tensor_parallel_support_problem(model: nn.Module, tp: int) -> str | None:
     """Why ``tp`` > 1 cannot shard ``model`` (None if it can): MoE layers outside a tensor-parallel plan.
 
-    The ranks of a TP group get the same samples; the reference :class:`MoETransformer` splits
-    each sequence over them (sequence parallelism). A MoE layer outside it would route the same
+    The ranks of a TP group get the same samples; a model whose plan declares ``tensor_parallel``
+    (the reference ``MoETransformer``) splits each sequence over them (sequence parallelism). A MoE
+    layer outside such a model would route the same
     tokens on every TP rank and its gradients would count them TP times. The one source of this
     check: ``MoEStrategy`` raises it, :func:`layout_problems` lists it.
     """
     if tp == 1:
         return None
-    inside = {id(m) for t in model.modules() if isinstance(t, MoETransformer) for m in t.modules()}
+    inside = {id(m) for _, t, plan in planned_modules(model) if plan.tensor_parallel is not None for m in t.modules()}
     outside = [name for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in inside]
     if not outside:
         return None
     return (
         f"tensor_parallel_size={tp} needs a model lightning_moe can shard over tensor parallelism "
-        f"(lightning_moe.models.MoETransformer); these MoE layers are outside one: {outside}. Use "
+        f"(one whose parallel_plan() declares tensor_parallel, such as lightning_moe.models.MoETransformer); "
+        f"these MoE layers are outside one: {outside}. Use "
         "tensor_parallel_size=1 (expert parallelism folds over the data-parallel ranks instead)."
     )
 
@@ -126,8 +128,8 @@ def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
     :func:`~lightning_moe.parallel.expert_support.expert_parallel_support_problem` (MoE blocks that
     are not ``MoELayer`` s under EP), :func:`expert_layer_problems` of every MoE layer,
     :func:`tensor_parallel_support_problem`, and
-    ``apply_tensor_parallel``'s divisibility checks (vocabulary, heads and FFN over TP) of every
-    :class:`~lightning_moe.models.MoETransformer`; one entry per distinct problem.
+    the ``tensor_parallel`` checks of every model plan (the reference model's: vocabulary, heads and
+    FFN over TP); one entry per distinct problem.
     """
     problems: list[str] = []
     no_experts = expert_parallel_support_problem(model, dims)
@@ -140,12 +142,7 @@ def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
         no_plan = tensor_parallel_support_problem(model, dims.tp)
         if no_plan is not None:
             problems.append(no_plan)
-        for transformer in (m for m in model.modules() if isinstance(m, MoETransformer)):
-            try:
-                _check_divisible(transformer, dims.tp)
-            except (TypeError, ValueError) as err:
-                if str(err) not in problems:
-                    problems.append(str(err))
+        problems.extend(p for p in tensor_parallel_problems(model, dims.tp) if p not in problems)
     return problems
 
 
