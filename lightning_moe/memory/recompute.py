@@ -69,11 +69,11 @@ from lightning_moe.memory.handles import (
     ModuleSpec,
     check_module_names,
     check_targets,
+    declared_modules,
     describe_specs,
     find_modules,
 )
 from lightning_moe.memory.saved_tensors import NOT_HANDLED, chained_saved_tensors_hooks, storage_of
-from lightning_moe.parallel.model_plan import planned_modules
 
 __all__ = [
     "RECOMPUTE_DEFAULT_TARGETS",
@@ -402,21 +402,11 @@ def check_recompute_targets(
 _TYPES = {"moe_act": GroupedExperts, "router": TopKRouter, "moe": MoELayer}
 
 
-def _declared(model: nn.Module, kind: str) -> list[tuple[str, nn.Module]] | None:
-    """The modules the plans inside ``model`` declare for ``kind``, by qualified name; None if no plan does."""
-    plans = [(name, module, plan.recompute[kind]) for name, module, plan in planned_modules(model)
-             if kind in plan.recompute]
-    if not plans:
-        return None
-    return [(f"{prefix}.{name}" if prefix else name, module)
-            for prefix, owner, specs in plans for name, module in find_modules(owner, specs)]
-
-
 def _targets(model: nn.Module, kind: str, specs: tuple[ModuleSpec, ...] | None) -> list[tuple[str, nn.Module]]:
     if specs is not None:
         return find_modules(model, specs)
     if kind in RECOMPUTE_TARGETABLE:
-        declared = _declared(model, kind)
+        declared = declared_modules(model, kind)
         if declared is not None:
             return declared
         return find_modules(model, _NORM_NAMES) if kind == "layernorm" else []
