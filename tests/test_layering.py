@@ -120,3 +120,72 @@ def test_importing_the_core_does_not_import_lightning():
     assert result.stdout.strip() == "[]", (
         f"importing {modules} loaded Lightning modules: {result.stdout.strip()}"
     )
+
+
+# The core packages that every model shares never import a particular model: what they need of one
+# is declared by the model (lightning_moe.parallel.model_plan). Persistence of the reference model
+# still lives in parallel/ and is exempt until it moves into its own checkpoint package.
+MODEL_FREE_SUBPACKAGES = ("parallel", "graphs", "memory", "layers")
+MODEL_PACKAGES = ("lightning_moe.models", "lightning_moe.lit")
+MODEL_IMPORT_EXEMPT = (
+    "lightning_moe/parallel/checkpoint_export_hf.py",  # moves to lightning_moe/checkpoint/ with persistence
+    "lightning_moe/parallel/hf_load.py",  # moves to lightning_moe/checkpoint/ with persistence
+)
+
+
+def _top_level_origin(node: ast.AST) -> list[str]:
+    """For ``from lightning_moe import X``: the module each ``X`` is defined in (a re-exported model class)."""
+    if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "lightning_moe"):
+        return []
+    import lightning_moe
+
+    origins = []
+    for alias in node.names:
+        value = getattr(lightning_moe, alias.name, None)
+        origin = getattr(value, "__module__", None) or getattr(value, "__name__", None)
+        if isinstance(origin, str):
+            origins.append(origin)
+    return origins
+
+
+def _model_imports(tree: ast.Module) -> list[tuple[ast.AST, str]]:
+    """``(statement, model module)`` of every import in ``tree`` that reaches ``models/`` or ``lit/``."""
+    found = []
+    for node in ast.walk(tree):
+        module = _first_import_within(node, MODEL_PACKAGES)
+        if module is None:
+            module = next((m for m in _top_level_origin(node) if any(_is_within(m, p) for p in MODEL_PACKAGES)), None)
+        if module is not None:
+            found.append((node, module))
+    return found
+
+
+def test_core_packages_import_no_model():
+    directories = [PACKAGE_DIR / name for name in MODEL_FREE_SUBPACKAGES]
+    assert all(d.is_dir() for d in directories), directories
+    exempt = {REPO_ROOT / p for p in MODEL_IMPORT_EXEMPT}
+    assert all(p.is_file() for p in exempt), f"an exempt file moved; update MODEL_IMPORT_EXEMPT: {exempt}"
+    offenders = [
+        f"{_where(path, node)}: imports {module}"
+        for path in _python_files(directories) if path not in exempt
+        for node, module in _model_imports(_parse(path))
+    ]
+    assert not offenders, (
+        f"{', '.join(MODEL_FREE_SUBPACKAGES)} must not import {' or '.join(MODEL_PACKAGES)}; a model hands what "
+        "they need over through parallel_plan() (lightning_moe.parallel.model_plan):\n" + "\n".join(offenders)
+    )
+
+
+def test_the_model_import_rule_sees_every_import_form():
+    """The scan catches plain, from-, submodule, function-level and re-exported imports of a model."""
+    tree = ast.parse(
+        "import lightning_moe.models\n"
+        "from lightning_moe.models.transformer import TransformerBlock\n"
+        "from lightning_moe import lit\n"
+        "from lightning_moe import swap_moe_blocks\n"
+        "def f():\n"
+        "    from lightning_moe.lit.module import MoELanguageModel\n"
+        "from lightning_moe.layers.moe import MoELayer\n"
+        "from lightning_moe import MoELayer as Layer\n"
+    )
+    assert sorted(node.lineno for node, _ in _model_imports(tree)) == [1, 2, 3, 4, 6]

@@ -10,11 +10,13 @@ after its backward the graphs are captured, and from the next batch on every sta
 ``warmup_steps`` counts training batches (micro-batches under gradient accumulation), so the
 capture happens in the middle of an accumulation window without harm. Validation, prediction and
 any batch of another shape run eagerly (counted per stage in :meth:`CUDAGraphCapture.stats`).
-The graphs are released, and the modules' own ``forward`` restored, at the end of ``fit``.
+The graphs are released, and the modules' own methods restored, at the end of ``fit``.
 
-Any model: ``attn`` captures the reference model's ``TransformerBlock`` attention only, the MoE
-scopes every ``lightning_moe.MoELayer`` (bare MoE layers in a user's own model included). A scope
-that finds nothing in the model (``attn`` on a model without ``TransformerBlock`` s) warns once,
+Any model: ``attn`` captures the attention of the blocks a model declares
+(``parallel_plan().graph_blocks``, :mod:`lightning_moe.parallel.model_plan`; the reference model's
+``TransformerBlock`` s), the MoE scopes every ``lightning_moe.MoELayer`` (bare MoE layers in a
+user's own model included). A scope that finds nothing in the model (``attn`` on a model that
+declares no blocks) warns once,
 naming the scope and what it looks for, and is skipped; the others still capture. With
 ``strict=True`` it raises ``ValueError`` instead.
 

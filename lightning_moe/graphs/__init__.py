@@ -3,7 +3,8 @@
 * :mod:`~lightning_moe.graphs.scopes`: the scopes ``attn``, ``moe_router``, ``moe_preprocess``,
   ``moe``, which modules each finds (``missing_scopes``), when each is legal (``ValueError``
   naming scope and reason otherwise), and the staged
-  forwards of ``TransformerBlock`` / ``MoELayer`` split at the scope boundaries.
+  forwards of the MoE parts split at the scope boundaries; blocks are what a model declares
+  (``parallel_plan().graph_blocks``, :mod:`lightning_moe.parallel.model_plan`).
 * :mod:`~lightning_moe.graphs.cuda_graph`: ``GraphedStage``, one captured part of one layer
   (static buffers, capture, replay under autograd, eager fallback), and why it is built on
   ``torch.cuda.CUDAGraph`` rather than ``make_graphed_callables``.

@@ -10,11 +10,13 @@ Usage in a plain training loop (the Lightning callback ``CUDAGraphCapture`` does
         if graphs.recording:
             graphs.capture()                  # from the next step on, the stages replay
 
-Building the manager checks every rule of :mod:`lightning_moe.graphs.scopes` and replaces the
-``forward`` of each staged module (a ``TransformerBlock``, or an ``MoELayer`` outside one) by an
-instance attribute that runs the same computation split at the scope boundaries; ``release()``
-restores the modules' own forwards (where another wrapper was installed on top in the meantime,
-the staged forward stays underneath it and runs the plain eager computation). State dicts and
+Building the manager checks every rule of :mod:`lightning_moe.graphs.scopes` and replaces, by
+instance attributes that run the same computation split at the scope boundaries, the
+``attention_residual`` and ``ffn_residual`` methods of each declared block
+(:class:`~lightning_moe.parallel.model_plan.GraphBlock`: the block's own ``forward`` calls them,
+so no copy of it exists here) and the ``forward`` of each ``MoELayer`` outside one; ``release()``
+restores the modules' own methods (where another wrapper was installed on top in the meantime,
+the staged method stays underneath it and runs the plain eager computation). State dicts and
 parameters are untouched.
 
 Stages are recorded in the order they run in the recorded step and captured in that order
@@ -40,7 +42,6 @@ from lightning_moe.graphs.cuda_graph import GraphedStage, make_backend
 from lightning_moe.graphs.scopes import (
     GraphTarget,
     RouterOutputs,
-    attention_forward,
     check_memory_features,
     experts_forward,
     find_targets,
@@ -49,7 +50,6 @@ from lightning_moe.graphs.scopes import (
 )
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.models.transformer import TransformerBlock
 
 __all__ = ["CUDAGraphManager"]
 
@@ -67,21 +67,24 @@ def _invalid_moe_inputs(layer: MoELayer, hidden: Tensor, padding_mask: Tensor | 
     return padding_mask is not None and padding_mask.shape != hidden.shape[:-1]
 
 
-def _block_forward(block: TransformerBlock, stages: _LayerStages, x, cos, sin, padding_mask=None):
-    """``TransformerBlock.forward`` with its scopes replaced by their stages."""
+def _attention_residual(block: nn.Module, stages: _LayerStages, x, *args):
+    """The block's ``attention_residual`` with the ``attn`` scope replaced by its stage."""
     if stages.attn is not None:
-        (x,) = stages.attn(x, cos, sin)
-    else:
-        x = attention_forward(block, x, cos, sin)
-    if isinstance(block.ffn, MoELayer) and _invalid_moe_inputs(block.ffn, x, padding_mask):
-        stages = _LayerStages()  # let the MoE layer raise its own error
+        (x,) = stages.attn(x, *args)
+        return x
+    return type(block).attention_residual(block, x, *args)
+
+
+def _ffn_residual(block: nn.Module, stages: _LayerStages, x, padding_mask=None):
+    """The block's ``ffn_residual`` (``x + ffn(ffn_norm(x), padding_mask)``) with its MoE scopes replaced by their stages."""
+    eager = stages.moe is None and stages.router is None
+    if eager or (isinstance(block.ffn, MoELayer) and _invalid_moe_inputs(block.ffn, x, padding_mask)):
+        return type(block).ffn_residual(block, x, padding_mask)  # the MoE layer raises its own errors
     if stages.moe is not None:
         (out,) = stages.moe(x, padding_mask)
         return out
-    if stages.router is not None:
-        routed = RouterOutputs(*stages.router(x, padding_mask))
-        return x + experts_forward(block.ffn, routed).view(x.shape)
-    return x + block.ffn(block.ffn_norm(x), padding_mask)
+    routed = RouterOutputs(*stages.router(x, padding_mask))
+    return x + experts_forward(block.ffn, routed).view(x.shape)
 
 
 def _moe_forward(layer: MoELayer, stages: _LayerStages, hidden, padding_mask=None):
@@ -97,19 +100,18 @@ def _moe_forward(layer: MoELayer, stages: _LayerStages, hidden, padding_mask=Non
 
 def _build_stages(target: GraphTarget) -> _LayerStages:
     module, moe, scopes = target.module, target.moe, target.scopes
-    in_block = isinstance(module, TransformerBlock)
     stages = _LayerStages()
     if "attn" in scopes:
 
-        def attn(x, cos, sin):
-            return (attention_forward(module, x, cos, sin),)
+        def attn(x, *args):
+            return (type(module).attention_residual(module, x, *args),)
 
         stages.attn = GraphedStage(f"{target.name}.attn", attn, scope_modules(target, "attn"))
     if "moe" in scopes:
-        if in_block:
+        if target.is_block:
 
             def whole(x, padding_mask):
-                return (x + module.ffn(module.ffn_norm(x), padding_mask),)
+                return (type(module).ffn_residual(module, x, padding_mask),)
         else:
 
             def whole(hidden, padding_mask):
@@ -117,7 +119,7 @@ def _build_stages(target: GraphTarget) -> _LayerStages:
 
         stages.moe = GraphedStage(f"{target.name}.moe", whole, scope_modules(target, "moe"))
     elif "moe_router" in scopes:
-        norm = module.ffn_norm if in_block else None
+        norm = module.ffn_norm if target.is_block else None
         preprocess = "moe_preprocess" in scopes
 
         def router(hidden, padding_mask):
@@ -128,11 +130,16 @@ def _build_stages(target: GraphTarget) -> _LayerStages:
     return stages
 
 
+_STAGED = {True: (("attention_residual", _attention_residual), ("ffn_residual", _ffn_residual)),
+           False: (("forward", _moe_forward),)}
+"""The methods staged on a block (True) and on a bare MoE layer (False)."""
+
+
 class CUDAGraphManager:
     """Per-layer partial CUDA graphs of ``model`` for ``scopes`` (see the module docstring).
 
     Args:
-        model: any module containing reference ``TransformerBlock`` s and/or ``MoELayer`` s, after
+        model: any module containing declared blocks (``parallel_plan().graph_blocks``) and/or ``MoELayer`` s, after
             parallelisation and on its final device (parameters must not move afterwards).
         scopes: names from :data:`~lightning_moe.graphs.scopes.SCOPES`.
         num_warmup_iters: eager forward+backward runs of every stage on a side stream right before
@@ -160,14 +167,14 @@ class CUDAGraphManager:
         self._recorded: list[GraphedStage] = []
         self.recording = False
         self._kernel_overrides = self._capturable_expert_kernels() if backend == "cuda" else []
-        self._forwards: list[tuple[nn.Module, functools.partial]] = []
+        self._forwards: list[tuple[nn.Module, str, functools.partial]] = []
         for target in self.targets:
             stages = _build_stages(target)
             self._stages[target.name] = stages
-            forward = _block_forward if isinstance(target.module, TransformerBlock) else _moe_forward
-            staged = functools.partial(forward, target.module, stages)
-            target.module.forward = staged
-            self._forwards.append((target.module, staged))
+            for method, fn in _STAGED[target.is_block]:
+                staged = functools.partial(fn, target.module, stages)
+                setattr(target.module, method, staged)
+                self._forwards.append((target.module, method, staged))
 
     def _capturable_expert_kernels(self) -> list[tuple[GroupedExperts, str]]:
         # GroupedExperts' grouped_mm kernel builds its group offsets with torch.tensor(host list,
@@ -264,15 +271,15 @@ class CUDAGraphManager:
         self.capture()
 
     def release(self) -> None:
-        """Drop every graph and restore the modules' own ``forward``."""
+        """Drop every graph and restore the modules' own methods."""
         for stage in self.stages:
             stage._recorder = None
             stage.release()
         for stages in self._stages.values():  # a forward wrapped again later then runs plain eagerly
             stages.attn = stages.router = stages.moe = None
-        for module, staged in self._forwards:
-            if module.__dict__.get("forward") is staged:
-                del module.forward
+        for module, method, staged in self._forwards:
+            if module.__dict__.get(method) is staged:
+                delattr(module, method)
         self._forwards = []
         for experts, kernel in self._kernel_overrides:
             experts.kernel = kernel

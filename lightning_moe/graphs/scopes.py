@@ -4,10 +4,11 @@ A *scope* names a part of every transformer layer that is captured into one CUDA
 (Megatron Core's ``cuda_graph_modules``):
 
 ``attn``
-    a :class:`~lightning_moe.models.TransformerBlock`'s ``x + attn(attn_norm(x))``: the attention
+    a block's ``attention_residual``, e.g. the reference
+    :class:`~lightning_moe.models.TransformerBlock`'s ``x + attn(attn_norm(x))``: the attention
     norm, the attention and the residual add.
 ``moe_router``
-    the pre-MoE norm (``ffn_norm``, when the MoE layer sits in a ``TransformerBlock``), the shared
+    the pre-MoE norm (``ffn_norm``, when the MoE layer sits in a block), the shared
     expert, the router (z-loss and aux-loss attachment, expert-bias counts and the logged-loss
     statistics included: they are device-side updates of the router's buffers, replayed with the
     graph) and the routing-map padding of ``router_padding_alignment``.
@@ -43,16 +44,20 @@ is not supported by ``lightning_moe.graphs`` yet. Activation offload and selecti
 and Python-side bookkeeping that a replay would not repeat); ``moe_act`` recompute, a flag of the
 expert kernel, is allowed.
 
-Which modules a scope finds: ``attn`` the reference model's ``TransformerBlock`` s only (its
-staged forward is that block's ``x + attn(attn_norm(x))``; a user's own attention module is not
-captured); the MoE scopes every ``lightning_moe.MoELayer``, inside a ``TransformerBlock`` (with its
+Which modules a scope finds: *blocks* are the modules a model declares in its plan
+(``parallel_plan().graph_blocks``, :mod:`lightning_moe.parallel.model_plan`; the reference
+model's ``TransformerBlock`` s), each following
+:class:`~lightning_moe.parallel.model_plan.GraphBlock`: its forward calls
+``attention_residual`` and then ``ffn_residual`` (``x + ffn(ffn_norm(x), padding_mask)``), and the
+capture replaces those two methods. ``attn`` finds blocks only (a model's undeclared attention is
+not captured); the MoE scopes every ``lightning_moe.MoELayer``, inside a block (with its
 ``ffn_norm``) or bare in any model. :func:`missing_scopes` tells which scopes find nothing in a
 model and what each looks for; :func:`find_targets` refuses them, ``CUDAGraphCapture`` skips
 them with a warning (``strict=True`` raises).
 
-The staged forwards below compute exactly what ``TransformerBlock.forward`` and
-``MoELayer.forward`` compute, split at the scope boundaries; ``tests/graphs`` checks them against
-the modules' own forwards (outputs and every gradient) so the two cannot drift apart.
+The staged MoE forwards below compute exactly what ``ffn_residual`` and ``MoELayer.forward``
+compute, split at the scope boundaries; ``tests/graphs`` checks them against the modules' own
+forwards (outputs and every gradient) so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -67,17 +72,18 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.permute import expert_order, pad_routing_map
 from lightning_moe.layers.routing import padded_expert_rows
 from lightning_moe.memory.recompute import OFFLOAD_MARK, RECOMPUTE_MARK
-from lightning_moe.models.transformer import TransformerBlock
+from lightning_moe.parallel.model_plan import planned_modules, resolve
 
 __all__ = [
     "SCOPES",
     "GraphTarget",
     "RouterOutputs",
-    "attention_forward",
+    "attention_modules",
     "check_memory_features",
     "check_moe_layer",
     "experts_forward",
     "find_targets",
+    "graph_blocks",
     "missing_scopes",
     "router_forward",
     "static_routed_rows",
@@ -237,14 +243,19 @@ def check_moe_layer(layer: MoELayer, scopes: Sequence[str], name: str = "MoELaye
 
 @dataclass(frozen=True)
 class GraphTarget:
-    """One module whose forward is staged: a reference-model block, or an MoE layer outside one."""
+    """One module whose forward is staged: a declared block, or an MoE layer outside one."""
 
     name: str
     """Qualified module name."""
     module: nn.Module
-    """The ``TransformerBlock`` or bare ``MoELayer``."""
+    """The block (:class:`~lightning_moe.parallel.model_plan.GraphBlock`) or bare ``MoELayer``."""
     scopes: tuple[str, ...]
     """Scopes that apply to this module (``attn`` only on blocks, MoE scopes only with an MoE layer)."""
+
+    @property
+    def is_block(self) -> bool:
+        """Whether :attr:`module` is a block (else a bare ``MoELayer``)."""
+        return not isinstance(self.module, MoELayer)
 
     @property
     def moe(self) -> MoELayer | None:
@@ -257,8 +268,9 @@ class GraphTarget:
 
 _LOOKS_FOR = {
     "attn": (
-        "it captures the attention of lightning_moe.models.TransformerBlock modules (the reference model's "
-        "blocks: x + attn(attn_norm(x))); a model's own attention modules are not captured"
+        "it captures the attention_residual of the blocks a model declares in parallel_plan().graph_blocks "
+        "(lightning_moe.models.TransformerBlock modules in the reference model: x + attn(attn_norm(x))); a "
+        "model's undeclared attention modules are not captured"
     ),
     "moe_router": "it captures the router (and shared expert) of lightning_moe.MoELayer modules",
     "moe_preprocess": "it captures the dispatch preprocessing of lightning_moe.MoELayer modules",
@@ -269,22 +281,37 @@ _LOOKS_FOR = {
 def missing_scopes(model: nn.Module, scopes: str | Iterable[str]) -> dict[str, str]:
     """The (validated) ``scopes`` that find nothing to capture in ``model``, each with what it looks for.
 
-    ``attn`` needs a ``TransformerBlock``; the MoE scopes need an ``MoELayer`` (any, bare or in a
-    block). Returned in canonical scope order; empty when every scope finds something.
+    ``attn`` needs a declared block (:func:`graph_blocks`); the MoE scopes need an ``MoELayer``
+    (any, bare or in a block). Returned in canonical scope order; empty when every scope finds something.
     """
     scopes = validate_scopes(scopes)
-    has_block = has_moe = False
-    for module in model.modules():
-        has_block = has_block or isinstance(module, TransformerBlock)
-        has_moe = has_moe or isinstance(module, MoELayer)
+    has_block = bool(graph_blocks(model))
+    has_moe = any(isinstance(module, MoELayer) for module in model.modules())
     found = {"attn": has_block, "moe_router": has_moe, "moe_preprocess": has_moe, "moe": has_moe}
     return {scope: _LOOKS_FOR[scope] for scope in scopes if not found[scope]}
+
+
+def graph_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, block)`` of every block the plans inside ``model`` declare (``graph_blocks``)."""
+    found = []
+    for prefix, owner, plan in planned_modules(model):
+        for name in plan.graph_blocks:
+            block = resolve(owner, name)
+            if block is not None:
+                found.append((f"{prefix}.{name}" if prefix else name, block))
+    return found
+
+
+def attention_modules(block: nn.Module) -> list[nn.Module]:
+    """The children of ``block`` its ``attention_residual`` uses: all but ``ffn_norm`` and ``ffn``."""
+    ffn_side = {id(block.ffn), id(getattr(block, "ffn_norm", None))}
+    return [child for child in block.children() if id(child) not in ffn_side]
 
 
 def find_targets(model: nn.Module, scopes: Sequence[str]) -> list[GraphTarget]:
     """The modules of ``model`` the (validated) ``scopes`` apply to, after checking every rule.
 
-    ``TransformerBlock`` s of the reference model take every scope (MoE scopes only where their
+    Declared blocks (:func:`graph_blocks`) take every scope (MoE scopes only where their
     ``ffn`` is an ``MoELayer``); an ``MoELayer`` outside such a block takes the MoE scopes (no
     norm is captured then: it is the caller's). Raises ``ValueError`` when a scope finds nothing
     to capture (drop it, see :func:`missing_scopes`) or is illegal on some layer (see the module
@@ -294,12 +321,13 @@ def find_targets(model: nn.Module, scopes: Sequence[str]) -> list[GraphTarget]:
     missing = missing_scopes(model, scopes)
     if "attn" in missing:
         raise ValueError(
-            "Scope 'attn' found no lightning_moe.models.TransformerBlock in the model: attention graphs are "
-            "defined for the reference model's blocks. Drop 'attn' or build the model from TransformerBlocks."
+            "Scope 'attn' found no block in the model: attention graphs are defined for the blocks a model "
+            "declares in parallel_plan().graph_blocks (lightning_moe.parallel.model_plan; the reference "
+            "model's lightning_moe.models.TransformerBlock s). Drop 'attn' or declare the blocks."
         )
     if missing:
         raise ValueError(f"Scope(s) {list(missing)} found no MoELayer in the model; drop them.")
-    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, TransformerBlock)]
+    blocks = graph_blocks(model)
     in_blocks = {id(block.ffn) for _, block in blocks}
     bare = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer) and id(m) not in in_blocks]
     moe_scopes = tuple(s for s in scopes if s in _MOE_SCOPES)
@@ -321,9 +349,9 @@ def find_targets(model: nn.Module, scopes: Sequence[str]) -> list[GraphTarget]:
 def scope_modules(target: GraphTarget, scope: str) -> list[nn.Module]:
     """The modules whose parameters and buffers the graph of ``scope`` on ``target`` uses."""
     module, moe = target.module, target.moe
-    norm = [module.ffn_norm] if isinstance(module, TransformerBlock) else []
+    norm = [module.ffn_norm] if target.is_block and module.ffn_norm is not None else []
     if scope == "attn":
-        return [module.attn_norm, module.attn]
+        return attention_modules(module)
     if scope == "moe":
         return [*norm, moe]
     shared = [moe.shared_expert] if moe.shared_expert is not None else []
@@ -331,11 +359,6 @@ def scope_modules(target: GraphTarget, scope: str) -> list[nn.Module]:
 
 
 # ------------------------------------------------------------------------------ staged forwards
-
-
-def attention_forward(block: TransformerBlock, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The ``attn`` scope: ``x + attn(attn_norm(x))``, as in ``TransformerBlock.forward``."""
-    return x + block.attn(block.attn_norm(x), cos, sin)
 
 
 @dataclass

@@ -11,7 +11,9 @@ the attention-side names a user's model can name its own modules instead (``targ
   Matching the end of the name keeps patterns valid whatever wraps the model (a
   ``LightningModule`` attribute such as ``net.``, a DDP ``module.`` prefix).
 
-The model itself (qualified name ``""``) is never a target.
+The model itself (qualified name ``""``) is never a target. A model may declare its own modules
+for a name in its plan (``parallel_plan().recompute``, :mod:`lightning_moe.parallel.model_plan`),
+written the same way: :func:`declared_modules`.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from typing import ClassVar
 
 from torch import nn
 
+from lightning_moe.parallel.model_plan import planned_modules
+
 __all__ = [
     "AppliedHandle",
     "ModuleSpec",
     "check_module_names",
     "check_targets",
+    "declared_modules",
     "describe_specs",
     "find_modules",
 ]
@@ -187,3 +192,14 @@ def describe_specs(specs: Sequence[ModuleSpec]) -> str:
     """``specs`` as a user wrote them, for messages: ``your targets [LayerNorm, 'blocks.*.attn']``."""
     shown = ", ".join(spec.__name__ if isinstance(spec, type) else repr(spec) for spec in specs)
     return f"your targets [{shown}]"
+
+
+def declared_modules(model: nn.Module, name: str) -> list[tuple[str, nn.Module]] | None:
+    """``(qualified name, module)`` of what the plans inside ``model`` declare for ``name`` (their
+    ``recompute`` entries, matched within each planned module); None when no plan declares ``name``."""
+    plans = [(prefix, owner, plan.recompute[name]) for prefix, owner, plan in planned_modules(model)
+             if name in plan.recompute]
+    if not plans:
+        return None
+    return [(f"{prefix}.{found}" if prefix else found, module)
+            for prefix, owner, specs in plans for found, module in find_modules(owner, specs)]

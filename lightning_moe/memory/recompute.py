@@ -4,25 +4,29 @@
 :class:`RecomputeHandle.remove` undoes it). By default each name matches:
 
 ==================  ==========================================  ====================================
-name                modules (reference model names)             how
+name                modules                                     how
 ==================  ==========================================  ====================================
 ``moe_act``         every ``GroupedExperts``                    output discarding, inside the expert
                                                                 kernel: the activation output
                                                                 (``N x F``) is recomputed from the
                                                                 kept fc1 output
-``layernorm``       ``*.attn_norm``, ``*.ffn_norm``             output discarding (below)
+``layernorm``       declared by the model's plan, else          output discarding (below)
+                    ``*.attn_norm``, ``*.ffn_norm``
 ``shared_experts``  ``MoELayer.shared_expert``                  standard checkpoint
 ``router``          ``MoELayer.router``                         standard checkpoint
-``core_attn``       ``*.attn.core_attn`` (``CoreAttention``)    standard checkpoint
-``attention``       ``*.attn`` (``Attention``, MLA)             standard checkpoint
+``core_attn``       declared by the model's plan                standard checkpoint
+``attention``       declared by the model's plan                standard checkpoint
 ``moe``             every ``MoELayer`` (dispatch included)      standard checkpoint
 ==================  ==========================================  ====================================
 
-A user's own model names its own modules for ``layernorm``, ``core_attn`` and ``attention``
-with ``targets`` (module types or qualified-name patterns, see :mod:`lightning_moe.memory.handles`),
-e.g. ``targets={"layernorm": [torch.nn.LayerNorm], "attention": ["blocks.*.attn"]}``; the
-``targets`` of a name replace its default rule. The other names are found by the package's MoE
-layer types. A name that matches nothing changes nothing (``strict=True`` raises instead).
+``layernorm``, ``core_attn`` and ``attention`` are the model's own modules: a model declares them
+in its plan (``parallel_plan().recompute``, :mod:`lightning_moe.parallel.model_plan`; the
+reference model declares its ``attn_norm`` / ``ffn_norm``, ``CoreAttention`` and ``Attention`` /
+MLA modules), and a caller names them with ``targets`` (module types or qualified-name patterns,
+see :mod:`lightning_moe.memory.handles`), e.g.
+``targets={"layernorm": [torch.nn.LayerNorm], "attention": ["blocks.*.attn"]}``; the ``targets``
+of a name replace its default rule. The other names are found by the package's MoE layer types.
+A name that matches nothing changes nothing (``strict=True`` raises instead).
 
 Standard checkpoint: ``torch.utils.checkpoint`` (non-reentrant) around the module's ``forward``,
 installed as an instance attribute, so ``module(x)`` still runs the module's forward hooks
@@ -65,12 +69,11 @@ from lightning_moe.memory.handles import (
     ModuleSpec,
     check_module_names,
     check_targets,
+    declared_modules,
     describe_specs,
     find_modules,
 )
 from lightning_moe.memory.saved_tensors import NOT_HANDLED, chained_saved_tensors_hooks, storage_of
-from lightning_moe.models.attention import Attention, CoreAttention
-from lightning_moe.models.mla import MultiLatentAttention
 
 __all__ = [
     "RECOMPUTE_DEFAULT_TARGETS",
@@ -92,11 +95,19 @@ RECOMPUTE_TARGETABLE = ("layernorm", "core_attn", "attention")
 
 RECOMPUTE_DEFAULT_TARGETS = {
     "moe_act": "lightning_moe GroupedExperts modules (the experts of every MoELayer)",
-    "layernorm": "norms named attn_norm / ffn_norm (the reference TransformerBlock's names)",
+    "layernorm": (
+        "norms named attn_norm / ffn_norm, or the norms a model's parallel_plan() declares (recompute['layernorm'])"
+    ),
     "shared_experts": "the shared_expert of MoELayers built with shared_expert_ffn_hidden_size",
     "router": "lightning_moe TopKRouter modules (MoELayer.router)",
-    "core_attn": "lightning_moe.models.CoreAttention modules",
-    "attention": "lightning_moe.models.Attention and MultiLatentAttention modules",
+    "core_attn": (
+        "the core-attention modules a model's parallel_plan() declares (recompute['core_attn']; the reference "
+        "model's CoreAttention)"
+    ),
+    "attention": (
+        "the attention modules a model's parallel_plan() declares (recompute['attention']; the reference "
+        "model's Attention and MultiLatentAttention)"
+    ),
     "moe": "lightning_moe.MoELayer modules",
 }
 """What each name matches without ``targets`` (the text of the unmatched-name warning)."""
@@ -388,20 +399,17 @@ def check_recompute_targets(
     return check_targets(targets, modules, RECOMPUTE_MODULES, RECOMPUTE_TARGETABLE, "recompute")
 
 
-_TYPES = {
-    "moe_act": GroupedExperts,
-    "router": TopKRouter,
-    "core_attn": CoreAttention,
-    "attention": (Attention, MultiLatentAttention),
-    "moe": MoELayer,
-}
+_TYPES = {"moe_act": GroupedExperts, "router": TopKRouter, "moe": MoELayer}
 
 
 def _targets(model: nn.Module, kind: str, specs: tuple[ModuleSpec, ...] | None) -> list[tuple[str, nn.Module]]:
     if specs is not None:
         return find_modules(model, specs)
-    if kind == "layernorm":
-        return find_modules(model, _NORM_NAMES)
+    if kind in RECOMPUTE_TARGETABLE:
+        declared = declared_modules(model, kind)
+        if declared is not None:
+            return declared
+        return find_modules(model, _NORM_NAMES) if kind == "layernorm" else []
     found = []
     for name, module in model.named_modules():
         if kind == "shared_experts":
@@ -432,8 +440,9 @@ def apply_selective_recompute(
 ) -> RecomputeHandle:
     """Apply fine-grained recompute of ``modules`` (names of :data:`RECOMPUTE_MODULES`) to ``model``.
 
-    Works on any model built from this package's layers (``MoELayer``, ``Attention``,
-    ``CoreAttention``) and on norms named ``attn_norm``/``ffn_norm``; ``targets`` names a
+    Works on any model with this package's ``MoELayer`` s, on the norms and attention modules the
+    model's plan declares (``parallel_plan().recompute``) and on norms named ``attn_norm``/``ffn_norm``
+    in a model that declares none; ``targets`` names a
     user's own modules for ``layernorm`` (any module taking one tensor and returning a fresh
     one), ``core_attn`` and ``attention`` (any module): a list of module types or qualified-name
     patterns per name, replacing its default rule (module docstring). A name that matches no

@@ -1,8 +1,9 @@
 """`MoETransformer`: the reference GPT-style decoder-only Mixture-of-Experts language model.
 
 Written for one device (docs/architecture.md §2): parallelism is applied afterwards by
-``lightning_moe.parallel`` (expert parallelism on the :class:`~lightning_moe.MoELayer` s, tensor
-parallelism by a plan over the module names below). Module names are a stable public API::
+``lightning_moe.parallel`` (expert parallelism on the :class:`~lightning_moe.MoELayer` s, the rest
+through the plan :meth:`MoETransformer.parallel_plan` hands over, :mod:`lightning_moe.models.parallel_plan`,
+over the module names below). Module names are a stable public API::
 
     embed                      nn.Embedding [V, H]
     layers.{i}.attn_norm       RMSNorm [H]
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,9 @@ from lightning_moe.models.attention import Attention, RMSNorm
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.mla import MultiLatentAttention
 from lightning_moe.models.rope import rotary_cos_sin
+
+if TYPE_CHECKING:
+    from lightning_moe.parallel.model_plan import ModelPlan
 
 __all__ = [
     "EMPTY_BATCH_HINT", "DenseMLP", "MoETransformer", "TransformerBlock", "init_generator", "module_seed",
@@ -150,10 +155,17 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.ffn = ffn
 
+    def attention_residual(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``x + attn(attn_norm(x))`` (the CUDA-graph scope ``attn`` captures this method)."""
+        return x + self.attn(self.attn_norm(x), cos, sin)
+
+    def ffn_residual(self, x: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """``x + ffn(ffn_norm(x), padding_mask)`` (the MoE CUDA-graph scopes split this method)."""
+        return x + self.ffn(self.ffn_norm(x), padding_mask)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding_mask: Tensor | None = None) -> Tensor:
         """``x`` ``[B, S, H]``, rotary tables ``[S, D]``, ``padding_mask`` ``[B, S]`` -> ``[B, S, H]``."""
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.ffn(self.ffn_norm(x), padding_mask)
+        return self.ffn_residual(self.attention_residual(x, cos, sin), padding_mask)
 
 
 class MoETransformer(nn.Module):
@@ -363,6 +375,14 @@ class MoETransformer(nn.Module):
         from lightning_moe.models.hf import save_pretrained  # hf builds this class: import at call time
 
         save_pretrained(self, path, family=family, max_shard_size=max_shard_size)
+
+    def parallel_plan(self) -> ModelPlan:
+        """What parallelism, recompute and CUDA graphs need to know of this model
+        (:func:`lightning_moe.models.parallel_plan.transformer_plan`)."""
+        # At call time: the plan imports torch.distributed, which this module never needs.
+        from lightning_moe.models.parallel_plan import transformer_plan
+
+        return transformer_plan(self)
 
     def extra_repr(self) -> str:
         config = self.config

@@ -1,14 +1,17 @@
-"""`apply_context_parallel`: run the reference model on each CP rank's chunks of every sequence.
+"""`apply_context_parallel`: run a model on each CP rank's chunks of every sequence.
 
-Applied by :func:`~lightning_moe.parallel.parallelize` when ``context_parallel_size > 1``, first
+Applied by :func:`~lightning_moe.parallel.parallelize` when ``context_parallel_size > 1`` to every
+module whose plan declares ``context_parallel`` (:mod:`~lightning_moe.parallel.model_plan`), first
 (before tensor parallelism, whose sequence sharding then splits each rank's chunks further). The
 caller feeds each CP rank its two chunks of every sequence (:func:`shard_batch`, chunks ``r`` and
 ``2C-1-r``, Megatron's causal load balance); the model then
 
-* gives the rotary embedding the chunks' global positions (a forward pre-hook passing
-  ``position_ids`` to each :class:`~lightning_moe.models.MoETransformer`; pipeline stages, which
-  run the transformer's pieces without its ``forward``, ask :func:`context_parallel_positions`);
-* attends over the whole sequence: every ``CoreAttention`` (standard attention and MLA) becomes a
+* gives its position encoding the chunks' global positions (a forward pre-hook passing them in the
+  keyword its plan names, ``position_ids`` for :class:`~lightning_moe.models.MoETransformer`;
+  pipeline stages, which run the model's pieces without its ``forward``, ask
+  :func:`context_parallel_positions`);
+* attends over the whole sequence: every core-attention module its plan declares (the reference
+  model's ``CoreAttention``, standard attention and MLA) becomes a
   :class:`ContextParallelCoreAttention` over the ``cp`` group (ring or all-gather exchange of the
   keys and values, :func:`~lightning_moe.parallel.context_parallel.context_parallel_attention`);
 * routes its own tokens: the MoE layers treat the CP shards as more tokens, and their
@@ -25,8 +28,6 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_moe.models import MoETransformer
-from lightning_moe.models.attention import CoreAttention
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.context_parallel import (
     CP_COMM_TYPES,
@@ -34,17 +35,19 @@ from lightning_moe.parallel.context_parallel import (
     load_balanced_positions,
     shard_sequence,
 )
+from lightning_moe.parallel.model_plan import ContextParallelPlan, planned_modules, resolve
 
 __all__ = [
-    "ContextParallelCoreAttention", "apply_context_parallel", "context_parallel_positions", "cp_token_mean",
+    "ContextParallelCoreAttention", "apply_context_parallel", "context_parallel_positions", "context_parallel_problem",
+    "cp_token_mean",
     "shard_batch",
 ]
 
-_CP_ATTR = "_lightning_moe_context_parallel"  # (cp rank, cp size) on a transformer made context parallel
+_CP_ATTR = "_lightning_moe_context_parallel"  # (cp rank, cp size, max_seq_len) on a model made context parallel
 
 
 class ContextParallelCoreAttention(nn.Module):
-    """Drop-in for :class:`~lightning_moe.models.attention.CoreAttention` on one CP rank's chunks.
+    """Drop-in for a model's core attention (causal, ``[B, heads, S, D]``) on one CP rank's chunks.
 
     Args:
         group: the CP process group.
@@ -68,20 +71,19 @@ class ContextParallelCoreAttention(nn.Module):
         return f"cp_comm_type={self.cp_comm_type!r}"
 
 
-def context_parallel_positions(transformer: MoETransformer, local_len: int, device=None) -> Tensor | None:
+def context_parallel_positions(model: nn.Module, local_len: int, device=None) -> Tensor | None:
     """The global positions of this CP rank's ``local_len`` tokens of each sequence (its two chunks).
 
-    None when ``transformer`` was not made context parallel by :func:`apply_context_parallel`
+    None when ``model`` was not made context parallel by :func:`apply_context_parallel`
     (positions ``0 .. local_len-1``). ``ValueError`` when the whole sequence (``CP x local_len``)
-    exceeds the transformer's ``max_seq_len``.
+    exceeds the ``max_seq_len`` of the model's plan.
     """
-    layout = getattr(transformer, _CP_ATTR, None)
+    layout = getattr(model, _CP_ATTR, None)
     if layout is None:
         return None
-    cp_rank, cp_size = layout
+    cp_rank, cp_size, max_seq_len = layout
     full = local_len * cp_size
-    max_seq_len = transformer.config.max_seq_len
-    if full > max_seq_len:
+    if max_seq_len is not None and full > max_seq_len:
         raise ValueError(
             f"sequence length {full} (CP={cp_size} ranks x {local_len} tokens) exceeds "
             f"max_seq_len={max_seq_len}; shorten the sequences or raise max_seq_len."
@@ -89,35 +91,65 @@ def context_parallel_positions(transformer: MoETransformer, local_len: int, devi
     return load_balanced_positions(full, cp_rank, cp_size, device=device)
 
 
-def _position_hook(module: nn.Module, args: tuple, kwargs: dict):
-    tokens = args[0] if args else kwargs["tokens"]
-    positions = context_parallel_positions(module, tokens.shape[1], tokens.device)  # checks the length
-    if kwargs.get("position_ids") is None:
-        kwargs["position_ids"] = positions
-    return args, kwargs
+def _first_tensor(args: tuple, kwargs: dict) -> Tensor:
+    return next(v for v in (*args, *kwargs.values()) if isinstance(v, Tensor))
+
+
+def _position_hook(keyword: str | None):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        inputs = _first_tensor(args, kwargs)  # [B, S_local, ...]
+        positions = context_parallel_positions(module, inputs.shape[1], inputs.device)  # checks the length
+        if keyword is not None and kwargs.get(keyword) is None:
+            kwargs[keyword] = positions
+        return args, kwargs
+
+    return hook
+
+
+def _swap_attention(model: nn.Module, plan: ContextParallelPlan, group, cp_comm_type: str) -> None:
+    for name in plan.attention:
+        core = resolve(model, name)
+        parent, _, attribute = name.rpartition(".")
+        replacement = ContextParallelCoreAttention(group, cp_comm_type, getattr(core, "softmax_scale", None))
+        setattr(resolve(model, parent), attribute, replacement)
+
+
+def context_parallel_problem(model: nn.Module, cp: int) -> str | None:
+    """Why ``cp`` > 1 cannot run ``model`` (None if it can): no module of it declares its attention.
+
+    Context parallelism runs the attention a model's plan declares over the CP ranks' chunks of
+    each sequence; any other attention would silently see the local chunks only.
+    """
+    if cp == 1 or any(plan.context_parallel is not None for _, _, plan in planned_modules(model)):
+        return None
+    return (
+        f"context_parallel_size={cp} needs a model that declares its attention modules for context "
+        f"parallelism (parallel_plan() with context_parallel, see lightning_moe.parallel.model_plan; "
+        f"lightning_moe.models.MoETransformer does); {type(model).__name__} declares none. Declare them, "
+        "or use context_parallel_size=1."
+    )
 
 
 def apply_context_parallel(model: nn.Module, ctx: ParallelContext, cp_comm_type: str = "p2p") -> nn.Module:
-    """Make every reference transformer in ``model`` context parallel over ``ctx``'s ``cp`` group (module docstring).
+    """Make every module of ``model`` whose plan declares ``context_parallel`` context parallel over
+    ``ctx``'s ``cp`` group (module docstring).
 
-    MoE layers outside a reference transformer need nothing (they route the tokens they are given);
-    a model whose own attention would see only the local chunks is the caller's to refuse
-    (``MoEStrategy`` does).
+    MoE layers outside such a module need nothing (they route the tokens they are given); a
+    model whose own attention would see only the local chunks is the caller's to refuse
+    (:func:`context_parallel_problem`; ``MoEStrategy`` does).
     """
     cp = ctx.size("cp")
     if cp == 1:
         return model
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
-    transformers = [m for m in model.modules() if isinstance(m, MoETransformer)]
     group, rank = ctx.group("cp"), ctx.rank_in("cp")
-    for transformer in transformers:
-        for parent in list(transformer.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is CoreAttention:
-                    setattr(parent, name, ContextParallelCoreAttention(group, cp_comm_type, child.softmax_scale))
-        setattr(transformer, _CP_ATTR, (rank, cp))
-        transformer.register_forward_pre_hook(_position_hook, with_kwargs=True)
+    for _, module, plan in planned_modules(model):
+        if plan.context_parallel is None:
+            continue
+        _swap_attention(module, plan.context_parallel, group, cp_comm_type)
+        setattr(module, _CP_ATTR, (rank, cp, plan.context_parallel.max_seq_len))
+        module.register_forward_pre_hook(_position_hook(plan.context_parallel.position_kwarg), with_kwargs=True)
     return model
 
 

@@ -9,17 +9,18 @@ over the data-parallel ranks of their own mesh (docs/architecture.md §10):
   expert dimension, which EP splits, nor F, which ETP splits), so the global state-dict view stays
   one regular DTensor sharding;
 * everything else over the dense data-parallel ranks ``dp`` x ``cp`` (:func:`dense_shard_mesh`:
-  one flattened mesh dimension ``dp_cp`` when ``cp > 1``): one unit per transformer block of the
-  reference :class:`~lightning_moe.models.MoETransformer` (and per block of a pipeline stage,
-  :class:`~lightning_moe.parallel.pipeline_split.StageModule`), one per piece around them
-  (embedding, final norm, head; pieces that share a parameter, such as a tied embedding and head,
-  form one unit), one per :class:`~lightning_moe.layers.MoELayer` of a user model, and one per
+  one flattened mesh dimension ``dp_cp`` when ``cp > 1``): one unit per module a model's plan
+  lists in ``fsdp_units`` (:mod:`~lightning_moe.parallel.model_plan`; the reference model's
+  blocks, embedding, final norm and head, and those of a pipeline stage,
+  :class:`~lightning_moe.parallel.pipeline_split.StageModule`; modules that share a parameter,
+  such as a tied embedding and head, form one unit), one per
+  :class:`~lightning_moe.layers.MoELayer` outside them, and one per
   top-level module for what is left. Tensor-parallel DTensors get FSDP's 2-D ``(dp, tp)``
   (``(dp_cp, tp)``) sharding;
 * the model itself last, as the one root of all these units (:mod:`~lightning_moe.parallel.fsdp_root`:
   it owns the streams, so every unit's all-gathers and reduce-scatters overlap the others'
   compute), on the dense mesh (a root's own parameters could only be dense ones; here it holds
-  none). The blocks of a model or stage prefetch their neighbours' all-gathers, experts included
+  none). The units of a plan prefetch their neighbours' all-gathers in its order, experts included
   (:func:`~lightning_moe.parallel.fsdp_root.set_chain_prefetch`).
 
 Gradients keep today's scaling: every unit sums (``set_force_sum_reduction_for_comms``: gloo has
@@ -45,12 +46,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_shard, record_fsdp_sharding
 from lightning_moe.parallel.fsdp_outputs import return_no_views
 from lightning_moe.parallel.fsdp_root import claim_units, set_chain_prefetch
-from lightning_moe.parallel.pipeline_split import StageModule
+from lightning_moe.parallel.model_plan import planned_modules, resolve
 from lightning_moe.parallel.user_tensor_parallel import tp_replicated_names
 
 __all__ = [
@@ -184,26 +184,15 @@ def _sum_then_divide(module: FSDPModule, divide: float, mesh_size: int) -> None:
     module.set_reduce_scatter_unused_params(True, recurse=False)
 
 
-def _chains(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Module], list[nn.Module]]]:
-    """(first pieces, blocks, last pieces) of every reference transformer and pipeline stage in
-    ``model``, outermost only, in forward order (pieces and blocks a pipeline trim removed left out)."""
-    found = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if isinstance(module, MoETransformer):
-            blocks = module.layers.values() if isinstance(module.layers, nn.ModuleDict) else module.layers
-            first, last = [module.embed], [module.norm, module.lm_head]
-        elif isinstance(module, StageModule):
-            blocks = module.blocks.values()
-            first = [module.pieces[n] for n in module.parts.first if n in module.pieces]
-            last = [module.pieces[n] for n in module.parts.last if n in module.pieces]
-        else:
-            continue
-        found.append(([m for m in first if m is not None], list(blocks), [m for m in last if m is not None]))
-        inside.update(id(m) for m in module.modules())
-    return found
+def _chains(model: nn.Module) -> list[list[nn.Module]]:
+    """The ``fsdp_units`` of every planned module of ``model`` (outermost only), in forward order
+    (pieces a pipeline trim set to None left out)."""
+    chains = []
+    for _, module, plan in planned_modules(model):
+        units = [unit for unit in (resolve(module, name) for name in plan.fsdp_units) if unit is not None]
+        if units:
+            chains.append(units)
+    return chains
 
 
 def _grouped(pieces: list[nn.Module]) -> list[list[nn.Module]]:
@@ -270,13 +259,13 @@ def apply_fully_shard(
         return modules[0]
 
     chains = []
-    for first, blocks, last in _chains(model):
+    for modules in _chains(model):
         units = {}
-        for group in _grouped([*first, *last]):
+        for group in _grouped(modules):
             unit = shard(group)
             units.update((id(m), unit) for m in group)
-        chains.append([units[id(m)] for m in first] + [shard([b]) for b in blocks] + [units[id(m)] for m in last])
-    for layer in moe_layers:  # a user model's MoE layers, outside any transformer
+        chains.append([units[id(m)] for m in modules])
+    for layer in moe_layers:  # MoE layers outside every declared unit
         if any(id(p) not in sharded for p in layer.parameters()):
             shard([layer])
     for unit in _top_level_units(model, sharded):

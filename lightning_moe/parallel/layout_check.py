@@ -24,11 +24,10 @@ from torch import nn
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.config_error import ConfigError, raise_problems
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_support import expert_parallel_support_problem
-from lightning_moe.parallel.tensor_parallel import _check_divisible
+from lightning_moe.parallel.tensor_parallel import tensor_parallel_problems
 
 __all__ = [
     "LayoutError",
@@ -102,8 +101,8 @@ def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
 
     :func:`~lightning_moe.parallel.expert_support.expert_parallel_support_problem` (MoE blocks that
     are not ``MoELayer`` s under EP), :func:`expert_layer_problems` of every MoE layer,
-    and ``apply_tensor_parallel``'s divisibility checks (vocabulary, heads and FFN over TP) of every
-    :class:`~lightning_moe.models.MoETransformer`; one entry per distinct problem.
+    and the ``tensor_parallel`` checks of every model plan (the reference model's: vocabulary, heads
+    and FFN over TP); one entry per distinct problem.
     """
     problems: list[str] = []
     no_experts = expert_parallel_support_problem(model, dims)
@@ -113,12 +112,7 @@ def layout_problems(model: nn.Module, dims: ParallelDims) -> list[str]:
         if isinstance(layer, MoELayer):
             problems.extend(p for p in expert_layer_problems(layer.config, dims) if p not in problems)
     if dims.tp > 1:
-        for transformer in (m for m in model.modules() if isinstance(m, MoETransformer)):
-            try:
-                _check_divisible(transformer, dims.tp)
-            except (TypeError, ValueError) as err:
-                if str(err) not in problems:
-                    problems.append(str(err))
+        problems.extend(p for p in tensor_parallel_problems(model, dims.tp) if p not in problems)
     return problems
 
 

@@ -4,12 +4,13 @@ Model code is written for one device; this function turns it into its share of a
 layout. Order (each step assumes the previous ones):
 
 0. context parallelism (:func:`~lightning_moe.parallel.context_parallel_apply.apply_context_parallel`)
-   when ``cp > 1``: attention of the reference model over the CP ranks' chunks of each sequence;
+   when ``cp > 1``: the attention each model's plan declares runs over the CP ranks' chunks of
+   each sequence;
 1. tensor / sequence parallelism (:func:`~lightning_moe.parallel.tensor_parallel.apply_tensor_parallel`)
-   of every reference :class:`~lightning_moe.models.MoETransformer` inside ``model``: attention
-   and dense layers sharded over TP, MoE layers fed this rank's sequence slice. Other modules
-   stay replicated over TP; each TP rank then simply routes its own tokens (sequence-sharded
-   data), which is all MoE folding needs; then
+   of every module whose plan declares it (the reference
+   :class:`~lightning_moe.models.MoETransformer`'s: attention and dense layers sharded over TP,
+   MoE layers fed this rank's sequence slice). Other modules stay replicated over TP; each TP rank
+   then simply routes its own tokens (sequence-sharded data), which is all MoE folding needs; then
    (:func:`~lightning_moe.parallel.user_tensor_parallel.apply_user_tensor_parallel`) the tensor
    parallelism a model applied itself in ``configure_model`` (``parallelize_module`` on
    ``device_mesh["tensor_parallel"]``): its MoE layers route each TP rank's slice of their
@@ -21,8 +22,9 @@ layout. Order (each step assumes the previous ones):
    EDP. Gradients are then synchronised by
    :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` instead of ``GradSync``.
 
-The Lightning strategy calls it after ``configure_model``; a plain torchrun script calls it
-directly after building the model.
+Models declare what steps 0, 1 and 3 need through ``parallel_plan()``
+(:mod:`~lightning_moe.parallel.model_plan`). The Lightning strategy calls it after
+``configure_model``; a plain torchrun script calls it directly after building the model.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.context_parallel_apply import apply_context_parallel
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
 from lightning_moe.parallel.fully_shard import apply_fully_shard, check_fully_shard
+from lightning_moe.parallel.model_plan import planned_modules
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_moe.parallel.user_tensor_parallel import apply_user_tensor_parallel
 
@@ -65,10 +67,9 @@ def parallelize(
     """
     check_fully_shard(model, ctx, sharding_strategy)
     apply_context_parallel(model, ctx, cp_comm_type)
-    transformers = [m for m in model.modules() if isinstance(m, MoETransformer)]
-    for module in transformers:
-        apply_tensor_parallel(module, ctx)
-    apply_user_tensor_parallel(model, ctx, planned=transformers)
+    apply_tensor_parallel(model, ctx)
+    planned = [m for _, m, plan in planned_modules(model) if plan.tensor_parallel is not None]
+    apply_user_tensor_parallel(model, ctx, planned=planned)
     apply_expert_parallel(model, ctx, dispatcher=dispatcher, flex_backend=flex_backend)
     apply_fully_shard(model, ctx, sharding_strategy, mp_policy)
     return model

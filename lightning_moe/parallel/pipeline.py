@@ -75,8 +75,8 @@ from torch.distributed.pipelining.schedules import (  # private: see _forward_on
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.model_plan import plan_of
 from lightning_moe.parallel.pipeline_loss import TargetWeightedLoss
 from lightning_moe.parallel.pipeline_split import (
     StageModule,
@@ -218,7 +218,8 @@ class PipelineRunner:
     gradient synchronisation afterwards.
 
     Args:
-        model: the network to split (``MoETransformer`` or a model with ``pipeline_parts()``).
+        model: the network to split (a model whose ``parallel_plan()`` declares its ``pipeline``, such as
+            ``MoETransformer``, or a model with ``pipeline_parts()``).
         ctx: the parallel context; its ``pp`` group carries the stage-to-stage traffic.
         schedule: a name of :data:`PIPELINE_SCHEDULES`.
         num_microbatches: micro-batches per batch (the batch size must be a multiple).
@@ -245,11 +246,13 @@ class PipelineRunner:
         self.pp_rank = dist.get_rank(self.group)
         self.device = device
         self.loss_fn = loss_fn
-        if ctx.size("cp") > 1 and not isinstance(model, MoETransformer):
+        plan = plan_of(model)
+        if ctx.size("cp") > 1 and (plan is None or plan.context_parallel is None):
             raise ValueError(
-                f"context_parallel_size={ctx.size('cp')} with pipeline_parallel_size={self.pp} splits only the "
-                f"reference MoETransformer into stages (its blocks get the CP chunks' positions), not "
-                f"{type(model).__name__}; make the network a MoETransformer, or use context_parallel_size=1."
+                f"context_parallel_size={ctx.size('cp')} with pipeline_parallel_size={self.pp} splits only a "
+                f"network whose parallel_plan() declares its attention for context parallelism (as "
+                f"MoETransformer does), not {type(model).__name__}; declare it (lightning_moe.parallel.model_plan), "
+                "or use context_parallel_size=1."
             )
         self._cp_group = ctx.group("cp") if ctx.size("cp") > 1 else None
         self._weighted_loss = None if num_targets is None else TargetWeightedLoss(

@@ -9,8 +9,9 @@ the original indices, pieces of other stages become ``None``), so ``state_dict``
 global ones (``model.layers.5.ffn...``): a checkpoint of one pipeline layout loads into another,
 or into one process.
 
-Protocol (for models other than :class:`~lightning_moe.models.MoETransformer`, which is handled
-here from outside): the model defines ``pipeline_parts(self) -> PipelineParts``. Example::
+A model opts in through its plan (:mod:`lightning_moe.parallel.model_plan`): ``parallel_plan()``
+returning a :class:`~lightning_moe.parallel.model_plan.ModelPlan` whose ``pipeline`` gives the
+:class:`PipelineParts`, or just ``pipeline_parts(self) -> PipelineParts``. Example::
 
     def pipeline_parts(self):
         return PipelineParts(
@@ -22,25 +23,23 @@ here from outside): the model defines ``pipeline_parts(self) -> PipelineParts``.
 
 Between stages only one tensor travels (the hidden states), so blocks take and return one tensor
 (extra per-layer inputs, such as rotary tables, are recomputed from it in ``block``). Under context
-parallelism the hidden states are this CP rank's chunks of each sequence and the reference
-transformer's blocks get the chunks' global positions
-(:func:`~lightning_moe.parallel.context_parallel_apply.context_parallel_positions`); its attention
-modules were swapped for the CP attention before the split, and the stages keep them.
+parallelism the hidden states are this CP rank's chunks of each sequence; a model whose blocks need
+the chunks' global positions asks
+:func:`~lightning_moe.parallel.context_parallel_apply.context_parallel_positions` in ``block`` (the
+reference transformer does). Its attention modules were swapped for the CP attention before the
+split, and the stages keep them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.models import MoETransformer
-from lightning_moe.models.rope import rotary_cos_sin
-from lightning_moe.parallel.context_parallel_apply import context_parallel_positions
+from lightning_moe.parallel.model_plan import ModelPlan, PipelineParts, child_names, plan_of
 
 __all__ = [
     "PipelineParts", "StageModule", "TrimRecord", "layer_split", "num_blocks_before_trim", "pipeline_parts_of",
@@ -48,74 +47,21 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class PipelineParts:
-    """How a model splits into pipeline stages (see the module docstring).
-
-    Attributes:
-        blocks: name of the attribute holding the ordered blocks (an ``nn.ModuleList``).
-        first: attribute names of the modules only the first stage runs (the embedding).
-        last: attribute names of the modules only the last stage runs (final norm, head).
-        embed: ``inputs -> hidden``, on the first stage (uses only ``first``'s modules).
-        block: ``(block, hidden) -> hidden``, one block; it keeps the hidden states' shape, dtype
-            and layout (the pipeline's shape probe relies on it and runs no block after the first stage).
-        head: ``hidden -> outputs`` (e.g. logits), on the last stage (uses only ``last``'s modules).
-    """
-
-    blocks: str
-    first: tuple[str, ...]
-    last: tuple[str, ...]
-    embed: Callable[[Tensor], Tensor]
-    block: Callable[[nn.Module, Tensor], Tensor]
-    head: Callable[[Tensor], Tensor]
-
-
-def _transformer_parts(model: MoETransformer) -> PipelineParts:
-    config = model.config
-    if config.tie_embeddings:
-        raise ValueError(
-            "MoETransformer(tie_embeddings=True) cannot be split into pipeline stages: the embedding (first "
-            "stage) and the head (last stage) would share one weight on two ranks. Use tie_embeddings=False "
-            "with pipeline_parallel_size > 1."
-        )
-
-    # The rotary tables depend only on the sequence length (and, under context parallelism, on which
-    # chunks this CP rank holds): computed on the stage, not sent, once per length and device for
-    # every block and step. The CP position hook on the transformer's forward never runs here, so
-    # the stage asks for the chunks' positions.
-    tables: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
-
-    def block(layer: nn.Module, hidden: Tensor) -> Tensor:
-        seq = hidden.shape[1]  # a DTensor's (TP sequence sharding) is over TP: this CP rank's share
-        key = (seq, hidden.device)
-        if key not in tables:
-            positions = context_parallel_positions(model, seq, hidden.device)
-            tables[key] = rotary_cos_sin(seq, config.rotary_dim, config.rope_theta, hidden.device,
-                                         config.rope_scaling, positions=positions)
-        cos, sin = tables[key]
-        return layer(hidden, cos, sin, None)
-
-    return PipelineParts(
-        blocks="layers", first=("embed",), last=("norm", "lm_head"),
-        embed=lambda tokens: model.embed(tokens), block=block, head=lambda hidden: model.lm_head(model.norm(hidden)),
-    )
-
-
 def pipeline_parts_of(model: nn.Module) -> PipelineParts:
-    """The :class:`PipelineParts` of ``model``: ``MoETransformer``'s, or the model's ``pipeline_parts()``."""
-    if isinstance(model, MoETransformer):
-        return _transformer_parts(model)
-    parts = getattr(model, "pipeline_parts", None)
-    if not callable(parts):
+    """The :class:`PipelineParts` ``model`` declares (its plan's ``pipeline``, or its ``pipeline_parts()``)."""
+    plan = plan_of(model)
+    if plan is None or plan.pipeline is None:
         raise TypeError(
-            f"{type(model).__name__} cannot be split into pipeline stages: it is not a MoETransformer and "
-            "defines no pipeline_parts() method. Define pipeline_parts(self) -> "
+            f"{type(model).__name__} cannot be split into pipeline stages: it defines no pipeline_parts() "
+            "method and no parallel_plan() with a pipeline. Define pipeline_parts(self) -> "
             "lightning_moe.parallel.pipeline_split.PipelineParts (its ordered blocks plus the first and last "
-            "pieces; see that module's docstring), or use pipeline_parallel_size=1."
+            "pieces; see that module's docstring) or declare it in parallel_plan() "
+            "(lightning_moe.parallel.model_plan), or use pipeline_parallel_size=1."
         )
+    parts = plan.pipeline
     result = parts()
     if not isinstance(result, PipelineParts):
-        raise TypeError(f"{type(model).__name__}.pipeline_parts() returned {type(result).__name__}, not PipelineParts.")
+        raise TypeError(f"{type(model).__name__}'s pipeline parts are a {type(result).__name__}, not PipelineParts.")
     if not isinstance(getattr(model, result.blocks, None), nn.ModuleList):
         raise TypeError(f"{type(model).__name__}.{result.blocks} (PipelineParts.blocks) is not an nn.ModuleList.")
     return result
@@ -179,6 +125,12 @@ class StageModule(nn.Module):
             name: getattr(model, name) for name in (*(parts.first if is_first else ()), *(parts.last if is_last else ()))
             if getattr(model, name, None) is not None
         })
+
+    def parallel_plan(self) -> ModelPlan:
+        """The stage's FSDP2 units, in forward order: its first pieces, its blocks, its last pieces."""
+        first = tuple(f"pieces.{n}" for n in self._parts.first if n in self.pieces)
+        last = tuple(f"pieces.{n}" for n in self._parts.last if n in self.pieces)
+        return ModelPlan(fsdp_units=(*first, *child_names(self, "blocks"), *last))
 
     @property
     def parts(self) -> PipelineParts:

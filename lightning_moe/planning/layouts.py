@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from lightning_moe.cli_checks import sequence_multiple
+from lightning_moe.models.parallel_plan import check_tensor_parallel_sizes
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.layout_check import expert_layer_problems
 from lightning_moe.parallel.pipeline import check_pipeline_options, sharded_schedule_problem
 from lightning_moe.parallel.pipeline_split import layer_split
-from lightning_moe.parallel.tensor_parallel import _check_divisible
 
 __all__ = ["STRATEGY_CLASS_PATH", "Layout", "command_line", "cross_node_warnings", "valid_layouts"]
 
@@ -155,7 +155,7 @@ def valid_layouts(
         if tp == 1:  # as layout_problems: the TP checks apply under TP only
             return True
         try:
-            _check_divisible(transformer, tp)
+            check_tensor_parallel_sizes(transformer, tp)
         except (TypeError, ValueError):
             return False
         return True

@@ -18,9 +18,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.layers.moe import MoELayer
-from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.context_parallel_apply import context_parallel_problem
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_parallel import is_expert_param
@@ -47,17 +46,13 @@ _LAYOUT_ATTR = "_lightning_moe_layout"
 
 
 def check_context_parallel_support(model: nn.Module, cp: int) -> None:
-    """Raise ``ValueError`` at CP > 1 unless ``model`` holds the reference transformer.
+    """Raise ``ValueError`` at CP > 1 unless ``model`` declares its attention for context parallelism.
 
-    Context parallelism runs the reference model's attention over the CP ranks' chunks of each
-    sequence; any other attention would silently see the local chunks only.
+    See :func:`~lightning_moe.parallel.context_parallel_apply.context_parallel_problem`.
     """
-    if cp > 1 and not any(isinstance(m, MoETransformer) for m in model.modules()):
-        raise ValueError(
-            f"context_parallel_size={cp} needs the reference lightning_moe.models.MoETransformer (its attention "
-            f"runs over the CP ranks' chunks of each sequence); {type(model).__name__} has none. Build the network "
-            "from MoETransformer, or use context_parallel_size=1."
-        )
+    problem = context_parallel_problem(model, cp)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def check_expert_parallel_support(model: nn.Module, dims: ParallelDims) -> None:
@@ -197,6 +192,12 @@ def prepare_model_once(
     return choices
 
 
+def _seeded(module: nn.Module) -> bool:
+    """Whether ``module`` re-draws its whole subtree from its own ``init_seed`` in ``reset_parameters()``
+    (the reference transformer and every MoE layer), the same on every rank."""
+    return isinstance(getattr(module, "init_seed", None), int) and callable(getattr(module, "reset_parameters", None))
+
+
 def _reset_roots(model: nn.Module, meta: set[tuple[str, str]]) -> list[tuple[str, nn.Module]]:
     """The modules whose ``reset_parameters()`` re-draws the meta tensors, outermost first: the reference
     transformer and MoE layers holding any (they draw their whole subtree from their seeds), else
@@ -207,7 +208,7 @@ def _reset_roots(model: nn.Module, meta: set[tuple[str, str]]) -> list[tuple[str
         if any(name == c or name.startswith(c + ".") for c in covered):
             continue
         inside = any(not name or o == name or o.startswith(name + ".") for o in owners)
-        if isinstance(module, (MoETransformer, MoELayer)) and inside:
+        if _seeded(module) and inside:
             roots.append((name, module))
             covered.append(name)
         elif name in owners and callable(getattr(module, "reset_parameters", None)):
@@ -247,7 +248,7 @@ def materialize(model: nn.Module, device: torch.device, group=None) -> None:
     roots = _reset_roots(model, meta)
     kept = {}
     for name, module in roots:
-        whole = isinstance(module, (MoETransformer, MoELayer))
+        whole = _seeded(module)
         kept.update({k: t.detach().clone() for k, t in _subtree_tensors(module, name, whole).items()
                      if k not in meta and not t.is_meta})
     # Module._apply, as to_empty, but the identity on tensors with storage (torchmetrics applies it to its states).
@@ -262,7 +263,7 @@ def materialize(model: nn.Module, device: torch.device, group=None) -> None:
     if dist.is_initialized():
         source = 0 if group is None else dist.get_global_rank(group, 0)
         # Drawn from seeds every rank holds alike: the same values everywhere, nothing to send.
-        seeded = {k for name, module in roots if isinstance(module, (MoETransformer, MoELayer))
+        seeded = {k for name, module in roots if _seeded(module)
                   for k in _subtree_tensors(module, name, True)}
         drawn = {id(t): t for k, t in _subtree_tensors(model, "", True).items() if k in meta and k not in seeded}
         with torch.no_grad():

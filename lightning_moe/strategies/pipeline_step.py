@@ -27,8 +27,9 @@ Protocol of the LightningModule: batches are ``(inputs, targets)``; it defines
 optionally ``pipeline_num_targets(targets) -> Tensor`` (the number of targets a micro-batch's
 ``targets`` keep, a 0-d integer tensor), which makes ``train_loss`` and the gradients the mean per
 target of the whole batch, as at PP=1, however the kept targets fall into micro-batches (without
-it each micro-batch counts ``1 / num_microbatches``, as in gradient accumulation); the network to split is its one child that is a :class:`~lightning_moe.models.MoETransformer` or
-defines ``pipeline_parts()`` (:mod:`lightning_moe.parallel.pipeline_split`).
+it each micro-batch counts ``1 / num_microbatches``, as in gradient accumulation); the network to split is its one child that declares its pipeline parts: ``parallel_plan()`` with a
+``pipeline`` (:mod:`lightning_moe.parallel.model_plan`; :class:`~lightning_moe.models.MoETransformer`
+does) or ``pipeline_parts()`` (:mod:`lightning_moe.parallel.pipeline_split`).
 
 Optionally it defines ``pipeline_validation_step(losses, targets, batch_idx)``, called on every
 rank in place of its ``validation_step`` (which needs the whole network) after the forward-only
@@ -55,20 +56,21 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_moe.models import MoETransformer
 from lightning_moe.parallel.config_error import ConfigError
+from lightning_moe.parallel.model_plan import plan_of
 from lightning_moe.parallel.pipeline import PipelineRunner, check_pipeline_options, sharded_schedule_problem
 
 __all__ = ["PipelineDriver", "pipeline_refusal"]
 
 
 def _network(module: nn.Module) -> nn.Module:
-    found = [m for m in module.children() if isinstance(m, MoETransformer) or callable(getattr(m, "pipeline_parts", None))]
+    found = [m for m in module.children() if (plan := plan_of(m)) is not None and plan.pipeline is not None]
     if len(found) != 1:
         raise TypeError(
             f"pipeline_parallel_size > 1 splits the LightningModule's network into stages, but "
-            f"{type(module).__name__} has {len(found)} children that are a MoETransformer or define "
-            "pipeline_parts() (it needs exactly one; see lightning_moe.parallel.pipeline_split)."
+            f"{type(module).__name__} has {len(found)} children that declare pipeline parts (parallel_plan() "
+            "with a pipeline, as MoETransformer, or pipeline_parts(); it needs exactly one; see "
+            "lightning_moe.parallel.pipeline_split)."
         )
     return found[0]
 

@@ -39,6 +39,15 @@ from lightning_moe.parallel.dispatchers import AllGatherDispatcher, AllToAllDisp
 REPLAY_TOL = 1e-6
 
 
+STAGED_METHODS = ("forward", "attention_residual", "ffn_residual")
+"""The methods the manager replaces by instance attributes (a block's two residual parts, a bare MoE layer's forward)."""
+
+
+def staged_methods(module: nn.Module) -> list[str]:
+    """Which of :data:`STAGED_METHODS` ``module`` holds as instance attributes (none once released)."""
+    return [name for name in STAGED_METHODS if name in module.__dict__]
+
+
 def _router_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name: buf.clone()
@@ -116,7 +125,7 @@ def test_impossible_scopes_name_scope_and_reason(scopes, moe, dispatcher, match)
         find_targets(model, scopes)
     with pytest.raises(ValueError, match=match):  # the manager applies the same rules, before changing anything
         CUDAGraphManager(model, scopes, backend="emulate")
-    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not any(staged_methods(m) for m in model.modules())
 
 
 def test_router_scopes_refuse_captured_collectives():
@@ -165,17 +174,17 @@ def test_release_under_a_later_wrapper_leaves_a_plain_eager_forward():
     reference = tiny_model()
     manager = CUDAGraphManager(model, ["moe_router"], backend="emulate")
     block = model.layers[0]
-    staged = block.forward
-    block.forward = lambda *args, **kwargs: staged(*args, **kwargs)  # someone wraps it afterwards
+    staged = block.ffn_residual
+    block.ffn_residual = lambda *args, **kwargs: staged(*args, **kwargs)  # someone wraps it afterwards
     manager.release()
-    assert "forward" in block.__dict__ and "forward" not in model.layers[1].__dict__
+    assert staged_methods(block) == ["ffn_residual"] and not staged_methods(model.layers[1])
     tokens = batches(1, 1, 2, 8)[0][0]
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=0, atol=0)
 
 
 def test_scopes_that_find_nothing_are_refused():
     bare = nn.Sequential(MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=4)))
-    with pytest.raises(ValueError, match=r"Scope 'attn' found no lightning_moe\.models\.TransformerBlock"):
+    with pytest.raises(ValueError, match=r"Scope 'attn' found no block in the model: .* parallel_plan\(\)\.graph_blocks"):
         find_targets(bare, ["attn"])
     dense = tiny_model(dense=True)
     with pytest.raises(ValueError, match=r"Scope\(s\) \['moe_router'\] found no MoELayer"):
@@ -365,7 +374,7 @@ def test_recording_and_release_contract():
     with pytest.raises(RuntimeError, match="a parameter was reallocated after capture"):
         model.loss(tokens[:, :-1], tokens[:, 1:])
     manager.release()
-    assert not manager.captured and all("forward" not in m.__dict__ for m in model.modules())
+    assert not manager.captured and not any(staged_methods(m) for m in model.modules())
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()  # plain eager again
 
 
@@ -418,4 +427,4 @@ def test_callback_replays_after_warmup(accumulate):
     stats = callback.stats()
     assert len(stats) == 4
     assert all(s["replays"] == batches_run - 3 and s["eager_fallbacks"] == 0 for s in stats.values()), stats
-    assert all("forward" not in m.__dict__ for m in graphed.modules())  # released at the end of fit
+    assert not any(staged_methods(m) for m in graphed.modules())  # released at the end of fit

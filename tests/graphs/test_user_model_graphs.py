@@ -21,8 +21,8 @@ from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture
 # through torch.autograd.grad instead of the engine's accumulation: a few fp32 ulps.
 REPLAY_TOL = 1e-6
 ATTN_SKIPPED = (
-    "CUDAGraphCapture: scope 'attn' found nothing to capture in UserLM: it captures the attention of "
-    "lightning_moe.models.TransformerBlock modules"
+    "CUDAGraphCapture: scope 'attn' found nothing to capture in UserLM: it captures the attention_residual of "
+    "the blocks a model declares in parallel_plan().graph_blocks"
 )
 
 

@@ -96,15 +96,15 @@ def test_recompute_defaults_run_and_unmatched_names_warn_once_with_what_they_mat
     (message,) = unmatched_warnings(messages, "SelectiveRecompute")
     assert "['layernorm', 'attention', 'core_attn'] matched no module of UserLM" in message, message
     assert "'layernorm': norms named attn_norm / ffn_norm" in message, message
-    assert "'attention': lightning_moe.models.Attention and MultiLatentAttention modules" in message, message
-    assert "'core_attn': lightning_moe.models.CoreAttention modules" in message, message
+    assert "'attention': the attention modules a model's parallel_plan() declares" in message, message
+    assert "'core_attn': the core-attention modules a model's parallel_plan() declares" in message, message
     assert "targets={'layernorm': [...], 'attention': [...], 'core_attn': [...]}" in message, message
     assert "moe_act" not in message.split("matched no module")[0]  # found: the experts of both MoELayers
 
 
 def test_recompute_strict_raises_for_unmatched_names():
     with pytest.raises(ValueError, match=r"SelectiveRecompute: \['attention'\] matched no module of UserLM.*"
-                                         r"'attention': lightning_moe\.models\.Attention and MultiLatentAttention modules"):
+                                         r"'attention': the attention modules a model's parallel_plan\(\) declares"):
         fit_user([SelectiveRecompute(modules=["moe_act", "attention"], strict=True)])
 
 
