@@ -260,7 +260,13 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
             )
 
     model.register_forward_pre_hook(check_sequence_length)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
+    # torch's replicating partition function (sequence-parallel norms, ReplicateParallel) makes new
+    # Parameters that require grad: a frozen one (a LoRA fine-tune's base) must stay frozen.
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     place_linear_adapters(model)
     model.vocab_parallel = VocabParallelLogits(tp_mesh, model.config.vocab_size)
     for block in model.layers:
