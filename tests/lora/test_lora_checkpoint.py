@@ -18,15 +18,18 @@ import math
 import lightning as L
 import pytest
 import torch
+from helpers.asserts import assert_close_to_scale
 from helpers.dist import run_distributed
 from helpers.hf import tiny_models
 from strategies.toy import quiet_trainer_kwargs
 from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_moe.cli import export_main
 from lightning_moe.lit import MoELanguageModel
-from lightning_moe.lora import LoRAConfig, is_adapter_key
+from lightning_moe.lora import LoRAConfig, apply_lora, is_adapter_key
 from lightning_moe.lora.checkpoint import LORA_RECORD_KEY
+from lightning_moe.models.hf import load_pretrained
 from lightning_moe.strategies import MoEStrategy
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
@@ -87,7 +90,7 @@ def _fit(base, layout, max_steps, ckpt_path=None, callbacks=()) -> dict:
 def _runs(rank: int, world: int, base, other_base, ckpt_dir) -> dict:
     whole = _fit(base, FIRST_LAYOUT, STEPS)
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=FIRST, save_top_k=-1)
-    _fit(base, FIRST_LAYOUT, FIRST, callbacks=[checkpoint])
+    first = _fit(base, FIRST_LAYOUT, FIRST, callbacks=[checkpoint])
     path = ckpt_dir / f"epoch=0-step={FIRST}.ckpt"
     resumed = _fit(base, RESUME_LAYOUT, STEPS, ckpt_path=path)
     try:
@@ -95,7 +98,7 @@ def _runs(rank: int, world: int, base, other_base, ckpt_dir) -> dict:
         refusal = None
     except ValueError as err:
         refusal = str(err)
-    return {"whole": whole, "resumed": resumed, "refusal": refusal, "path": path}
+    return {"whole": whole, "first": first, "resumed": resumed, "refusal": refusal, "path": path}
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +159,31 @@ def test_resuming_on_another_base_is_refused(runs):
     ranks, _ = runs
     for r in ranks:
         assert r["refusal"] is not None and "trained on another base" in r["refusal"], r["refusal"]
+
+
+def _lora_logits(base, adapters: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """Oracle of the merged export: the base with the checkpoint's adapters applied, one process."""
+    model = load_pretrained(base)
+    apply_lora(model, LORA)
+    model.load_state_dict(adapters, strict=False)
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_export_merge_folds_the_adapters_into_the_base(runs, tmp_path):
+    import transformers
+
+    ranks, base = runs
+    tokens = torch.randint(0, 320, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    want = _lora_logits(base, ranks[0]["first"]["adapters"], tokens)
+    export_main([str(ranks[0]["path"]), str(tmp_path / "merged.pt"), "--merge"])
+    state = torch.load(tmp_path / "merged.pt", weights_only=True)
+    assert not any(is_adapter_key(k) for k in state)
+    plain = load_pretrained(base)  # the plain model's keys; every weight replaced by the export's
+    plain.load_state_dict({k[len("model."):]: v for k, v in state.items()}, strict=True)
+    with torch.no_grad():
+        assert_close_to_scale(plain(tokens), want, TOL, "merged torch export")
+    export_main([str(ranks[0]["path"]), str(tmp_path / "merged_hf"), "--merge", "--format", "hf"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf").eval()
+    with torch.no_grad():
+        assert_close_to_scale(hf(tokens).logits, want, TOL, "merged hf export")
