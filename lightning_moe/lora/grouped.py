@@ -11,8 +11,8 @@ Expert ``e`` computes with ``W_e + alpha/r * B_e @ A_e``. A gated fc1 is one mat
 (``F1 = 2F``, stored as the base weight is: the F gate rows, then the F up rows), so its adapter
 is one rank-r adapter of that matrix: ``A`` is shared by the gate and the up projection and
 ``B``'s first F rows update the gate, the last F the up projection. It is exactly two adapters
-``(A, B[:F])`` and ``(A, B[F:])`` of separate gate and up projections, which is how it is exported
-to PEFT (:mod:`lightning_moe.lora.peft`). In the state dict ``fc1_lora_B`` of a gated fc1 is
+``(A, B[:F])`` and ``(A, B[F:])`` of separate gate and up projections (the form of per-projection
+adapter formats such as PEFT's). In the state dict ``fc1_lora_B`` of a gated fc1 is
 presented like ``fc1_weight``, as ``[E, 2, F, r]`` (gate, up), so that an expert-tensor-parallel
 rank's block is a plain shard of it.
 
