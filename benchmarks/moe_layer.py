@@ -17,6 +17,10 @@ Rows of a suite:
 * ``lightning_moe MoELayer`` (the device's default kernel; on CPU in fp32 also ``kernel=grouped_mm``,
   and where it uses oneDNN also the layer with new routing every step, whose changing expert row
   counts are new GEMM shapes for oneDNN, and the layer with its GEMMs through ``torch.mm``);
+* LoRA: the layer with one rank-16 adapter per expert on fc1 and fc2
+  (:class:`~lightning_moe.lora.LoRAGroupedExperts`) and the same layer without adapters, both
+  with frozen expert weights and ``grouped_mm`` GEMMs, as a LoRA fine-tune runs; the line under
+  the table gives their ratio (what the adapters cost);
 * ``overhead: lightning_moe router + permutation``: the same layer with identity experts (see
   :class:`IdentityExperts`): router, expert-major ordering of the (token, expert) pairs, the
   gather of the routed rows, the probability scaling and the scatter-add back to the tokens,
@@ -63,6 +67,7 @@ from timing import Case, ratio_table, run_interleaved, write_tables
 from lightning_moe import MoEConfig
 from lightning_moe.layers.cpu_gemm import OneDnnGemm, gemm_for, use_cpu_gemm_backend
 from lightning_moe.layers.moe import MoELayer
+from lightning_moe.lora import LoRAGroupedExperts
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,10 @@ SLOW_ON_CPU = {"torchtitan": "S"}
 bf16 GEMMs are slow (see :func:`bf16_gemms_are_slow`), unless ``--include-slow``."""
 FLOOR_ROUTING = "routing: none, balanced N/E rows per expert"
 NEW_ROUTING_INPUTS = 16
+LORA_RANK = 16
+"""Rank of the LoRA adapters on every expert's fc1 and fc2 in the LoRA row."""
+LORA_NAME = f"lightning_moe MoELayer + LoRA r={LORA_RANK} [grouped_mm, experts frozen]"
+LORA_BASELINE_NAME = "lightning_moe MoELayer [kernel=grouped_mm, experts frozen]"
 """Inputs the ``new routing every step`` row cycles through."""
 
 
@@ -343,6 +352,32 @@ def ours_cases(shape: Shape, dtype: torch.dtype, device: torch.device) -> list[C
     return cases
 
 
+def lora_cases(shape: Shape, dtype: torch.dtype, device: torch.device) -> list[Case]:
+    """The layer with a LoRA adapter per expert (fc1 and fc2, rank ``LORA_RANK``) and the same layer
+    without it, both with frozen expert weights and grouped_mm GEMMs (what a LoRA fine-tune runs):
+    their time ratio is what the adapters cost. Empty where torch has no ``grouped_mm``."""
+    if not hasattr(F, "grouped_mm"):
+        return []
+    config = MoEConfig(shape.hidden, shape.ffn, shape.experts, top_k=shape.top_k)
+    routing = f"routing: real softmax top-{shape.top_k} (renormalised), dropless"
+    cases = []
+    for name in (LORA_BASELINE_NAME, LORA_NAME):
+        torch.manual_seed(0)
+        layer = MoELayer(config, expert_kernel="grouped_mm")
+        note = f"{routing}; kernel=grouped_mm, expert weights frozen (no weight gradients)"
+        if name == LORA_NAME:
+            LoRAGroupedExperts.convert(layer.experts, LORA_RANK, 2.0, 0.0, seed=0)
+            with torch.no_grad():  # a trained adapter (B = 0 would be the same work anyway)
+                layer.experts.fc1_lora_B.normal_(0.0, 0.02)
+                layer.experts.fc2_lora_B.normal_(0.0, 0.02)
+            note = f"{routing}; per-expert adapters as 2 more grouped GEMMs per projection, expert weights frozen"
+        layer.experts.fc1_weight.requires_grad_(False)
+        layer.experts.fc2_weight.requires_grad_(False)
+        layer.to(device=device, dtype=dtype)
+        cases.append(module_case(name, layer, layer, shape, dtype, note, device))
+    return cases
+
+
 def peer_cases(names: list[str], shape: Shape, dtype: torch.dtype, device: torch.device,
                include_slow: bool) -> tuple[list[Case], dict[str, str]]:
     if not names:
@@ -377,7 +412,8 @@ def run_suite(shape: Shape, dtype_name: str, peer_names: list[str], rounds: int,
     if dtype != torch.float32 and device.type == "cpu":
         floors.append(floor_upcast_case(shape, dtype, device))
     peers_built, skipped = peer_cases(peer_names, shape, dtype, device, include_slow)
-    cases = [*floors, *ours_cases(shape, dtype, device), *peers_built]
+    lora = lora_cases(shape, dtype, device)
+    cases = [*floors, *ours_cases(shape, dtype, device), *lora, *peers_built]
     run_interleaved(cases, rounds=rounds, warmup=2 if device.type == "cuda" else 1)
     title = (
         f"{shape.name} {dtype_name}: tokens {shape.tokens}, hidden {shape.hidden}, ffn {shape.ffn}, "
@@ -385,6 +421,10 @@ def run_suite(shape: Shape, dtype_name: str, peer_names: list[str], rounds: int,
         f"{shape.gemm_flops / floor.median / 1e9:.0f} GFLOP/s, {shape.gemm_flops / 1e9:.1f} GFLOP per step)"
     )
     table = ratio_table(title, cases, floor)
+    if lora:
+        plain, adapted = lora
+        table += (f"\n\nLoRA layer / plain layer (r={LORA_RANK}, both frozen, grouped_mm): "
+                  f"{adapted.median / plain.median:.3f}x median, {adapted.best / plain.best:.3f}x best")
     if skipped:
         table += "\n\nSkipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items())
     return table

@@ -7,6 +7,7 @@
     lightning-moe fit --model.help MoELanguageModel --model.model.moe.help   # its MoE layers' options
     lightning-moe export CKPT OUT                              # a checkpoint's weights as one file
     lightning-moe export CKPT OUT_DIR --format hf              # ... as a Hugging Face model directory
+    lightning-moe export LORA_CKPT OUT --merge [--format hf]   # a LoRA run's base with its adapters folded in
     lightning-moe generate CKPT --prompt "def main("           # continue a prompt (greedy; --temperature samples)
     lightning-moe test --config ... --ckpt_path CKPT           # test_loss / test_ppl on the held-out documents
     lightning-moe plan --config ... --gpu_memory 80GB          # per-rank memory before launching; --search
@@ -62,6 +63,7 @@ from lightning_moe.cli_ckpt_hparams import checkpoint_hyperparameters
 from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
 from lightning_moe.cli_help import HelpParser
 from lightning_moe.cli_plan import PLAN_HELP, plan_main, plan_parser
+from lightning_moe.lora.export import export_merged
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
 from lightning_moe.parallel.checkpoint_export_hf import export_hf
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
@@ -115,6 +117,14 @@ def export_parser() -> ArgumentParser:
         help="--format hf: the largest safetensors file (bytes, or e.g. 5GB, 500MB); past it the weights go into "
         "model-0000i-of-0000N.safetensors shards listed by model.safetensors.index.json, as transformers writes them.",
     )
+    parser.add_argument(
+        "--merge", action="store_true",
+        help="A LoRA checkpoint: write the plain model with the adapters folded in (either format), its base read "
+        "from the init_from directory the run recorded (or --base) and checked against the recorded fingerprint. "
+        "Holds the whole model in memory.",
+    )
+    parser.add_argument("--base", default=None, help="--merge: the base model's Hugging Face directory (default: the "
+                        "run's init_from).")
     parser.add_argument("--overwrite", action="store_true", help="Replace OUT if it exists (default: refuse).")
     parser.add_argument(
         "--no-verify", dest="no_verify", action="store_true",
@@ -128,7 +138,13 @@ def export_main(args: list[str]) -> ExportedCheckpoint:
     one-line message (usage errors with 2)."""
     options = export_parser().parse_args(args)
     try:
-        if options.format == "hf":
+        if options.merge:
+            summary = export_merged(options.checkpoint, options.output, fmt=options.format, base=options.base,
+                                    family=options.family, overwrite=options.overwrite, verify=not options.no_verify,
+                                    max_shard_size=options.max_shard_size)
+        elif options.base is not None:
+            raise ValueError("--base goes with --merge (it names the base model of a LoRA checkpoint).")
+        elif options.format == "hf":
             summary = export_hf(options.checkpoint, options.output, family=options.family, overwrite=options.overwrite,
                                 verify=not options.no_verify, max_shard_size=options.max_shard_size)
         else:

@@ -70,8 +70,11 @@ def test_moe_layer_smoke(tmp_path, backend):
         "floor: 9 grouped_mm GEMMs", "floor: 9 bmm GEMMs [E, N/E, *]", *onednn, "lightning_moe MoELayer",
         *same_layer_on_aten, "lightning_moe MoELayer [kernel=grouped_mm]",
         "overhead: lightning_moe router + permutation",
+        "lightning_moe MoELayer [kernel=grouped_mm, experts frozen]",
+        "lightning_moe MoELayer + LoRA r=16 [grouped_mm, experts frozen]",
     ]
     assert list(rows) == expected, list(rows)
+    assert "LoRA layer / plain layer (r=16, both frozen, grouped_mm): " in out
     assert rows["floor: 9 grouped_mm GEMMs"][2] == "1.000x"  # every ratio is to this floor
     for name in expected:
         assert _ratio(rows[name][2]) > 0, name

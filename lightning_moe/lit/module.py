@@ -28,7 +28,8 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_moe.data.token_check import check_token_ids, vocab_problem
-from lightning_moe.lora import LoRAConfig, apply_lora
+from lightning_moe.lora import LoRAConfig, apply_lora, is_adapter_key
+from lightning_moe.lora.checkpoint import LORA_RECORD_KEY, adapter_state, base_fingerprint, base_mismatches
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT
 from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
@@ -206,6 +207,9 @@ class MoELanguageModel(L.LightningModule):
         lora: fine-tune with LoRA adapters (:class:`~lightning_moe.lora.LoRAConfig`; a mapping of its
             fields in YAML, ``model.lora``): applied to the transformer when it is built, before the
             strategy parallelises it, and only the adapters are trained (the rest is frozen).
+            Checkpoints then hold the adapters and their optimizer state only, with the base's
+            identity (``init_from`` and a fingerprint of its weights); on resume the base is read
+            from ``init_from`` again (or drawn from the seed) and checked against that fingerprint.
 
     Under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is built on the meta
     device, parallelised and materialised by the strategy (each rank draws only its shard), and with
@@ -249,6 +253,10 @@ class MoELanguageModel(L.LightningModule):
         self.init_from = init_from
         # Whether init_from's weights still have to be read (a restored checkpoint clears it).
         self._init_pending = False
+        # LoRA: the base's fingerprint (computed once: the base is frozen), and the one a restored
+        # adapter checkpoint recorded, checked once the base is in place.
+        self._base_print: dict | None = None
+        self._expected_base: dict | None = None
         self.model: MoETransformer | None = None
         # The metric states get storage even under Trainer.init_module(empty_init=True): the strategy
         # materialises only parameters and buffers it can re-draw, never a metric's running sums.
@@ -291,19 +299,66 @@ class MoELanguageModel(L.LightningModule):
 
         read = load_hf_weights(self.model, self.init_from)
         self._init_pending = False
+        self._base_print = None  # a new base
         rank_zero_info(f"MoELanguageModel: weights read from {self.init_from} ({read / 2**20:.1f} MiB on rank 0)")
 
+    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        """The module's state; with ``lora`` only the adapters' (the frozen base is not checkpointed)."""
+        state = super().state_dict(*args, **kwargs)
+        return state if self.lora is None else adapter_state(state)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
+        """Load ``state_dict``; with ``lora`` it needs the adapters only (base entries, if any, load too)."""
+        if self.lora is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [key for key in result.missing_keys if is_adapter_key(key)]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Loading a LoRA state dict into {type(self).__name__}: missing adapters {missing[:8]}, unexpected "
+                f"keys {result.unexpected_keys[:8]}. Load a checkpoint of a run with the same LoRAConfig (rank "
+                f"{self.lora.rank}, targets {self.lora.targets})."
+            )
+        return result
+
+    def base_fingerprint(self) -> dict[str, list[float]]:
+        """The frozen base's fingerprint (:func:`~lightning_moe.lora.checkpoint.base_fingerprint`; collective)."""
+        if self._base_print is None:
+            self._base_print = base_fingerprint(self.model)
+        return self._base_print
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the transformer's configuration (and ``init_from``'s family) for ``lightning-moe export --format hf``."""
+        """Record the transformer's configuration (and ``init_from``'s family) for ``lightning-moe export --format hf``;
+        with ``lora`` also the base's identity (``init_from`` and its fingerprint)."""
         checkpoint[MODEL_CONFIG_KEY] = self._hf_record
+        if self.lora is not None:
+            checkpoint[LORA_RECORD_KEY] = {
+                "config": asdict(self.lora), "init_from": None if self.init_from is None else str(self.init_from),
+                "base_fingerprint": self.base_fingerprint(),
+            }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A restored checkpoint's weights win over ``init_from``'s."""
-        self._init_pending = False
+        """A restored checkpoint's weights win over ``init_from``'s; a LoRA checkpoint holds no base, so
+        ``init_from``'s weights are still read, and the base is checked against the recorded fingerprint."""
+        record = checkpoint.get(LORA_RECORD_KEY)
+        if self.lora is None or record is None:
+            self._init_pending = False
+            return
+        self._expected_base = record  # the base is still to be read (if it is pending), then checked
 
     def _load_pending_weights(self) -> None:
         if self._init_pending:
             self.load_pretrained_weights()
+        if self._expected_base is not None:
+            record, self._expected_base = self._expected_base, None
+            problems = base_mismatches(record["base_fingerprint"], self.base_fingerprint())
+            if problems:
+                raise ValueError(
+                    f"The LoRA checkpoint's adapters were trained on another base: {len(problems)} base tensors "
+                    f"differ, e.g. {problems[:3]}. The checkpoint's base was init_from={record['init_from']!r}, this "
+                    f"run's is init_from={None if self.init_from is None else str(self.init_from)!r}: resume with "
+                    "the same init_from (or model config and seed) as the run that wrote it."
+                )
 
     def on_train_start(self) -> None:
         """Read ``init_from``'s weights unless a checkpoint was restored (or they were read already)."""

@@ -11,8 +11,8 @@ Expert ``e`` computes with ``W_e + alpha/r * B_e @ A_e``. A gated fc1 is one mat
 (``F1 = 2F``, stored as the base weight is: the F gate rows, then the F up rows), so its adapter
 is one rank-r adapter of that matrix: ``A`` is shared by the gate and the up projection and
 ``B``'s first F rows update the gate, the last F the up projection. It is exactly two adapters
-``(A, B[:F])`` and ``(A, B[F:])`` of separate gate and up projections, which is how it is exported
-to PEFT (:mod:`lightning_moe.lora.peft`). In the state dict ``fc1_lora_B`` of a gated fc1 is
+``(A, B[:F])`` and ``(A, B[F:])`` of separate gate and up projections (the form of per-projection
+adapter formats such as PEFT's). In the state dict ``fc1_lora_B`` of a gated fc1 is
 presented like ``fc1_weight``, as ``[E, 2, F, r]`` (gate, up), so that an expert-tensor-parallel
 rank's block is a plain shard of it.
 
@@ -26,8 +26,10 @@ of 8.
 
 Under expert-tensor parallelism (each rank holds an F block) ``fc1_lora_B`` and ``fc2_lora_A``
 are cut along F like the base weights, ``fc1_lora_A`` and ``fc2_lora_B`` are held whole by every
-ETP rank and their gradients (parts from each F block) summed over ETP by
-:mod:`lightning_moe.parallel.expert_parallel`: the same numbers as one device.
+ETP rank; each rank computes the part of their gradient that its F block gives, and the forward
+pass sums those parts over ETP where it uses them (``partial_grad_group``, set by
+:mod:`lightning_moe.parallel.expert_parallel`; :func:`~lightning_moe.parallel.collectives.sum_grad`):
+the same numbers as one device.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from lightning_moe.layers.expert_state import fc1_checkpoint_view, fc1_from_chec
 from lightning_moe.layers.experts import GroupedExperts, expert_generator, group_offsets
 from lightning_moe.layers.permute import gather_rows, scatter_rows
 from lightning_moe.layers.weight_init import write_full
+from lightning_moe.parallel.collectives import sum_grad
 
 __all__ = ["ADAPTER_NAMES", "ALIGN", "LoRAGroupedExperts", "grouped_lora"]
 
@@ -128,6 +131,8 @@ class LoRAGroupedExperts(GroupedExperts):
     lora_scale: float
     lora_dropout: float
     lora_seed: int
+    partial_grad_group: object = None
+    """Process group over which ``fc1_lora_A`` and ``fc2_lora_B`` have partial gradients (ETP; None: whole)."""
 
     @classmethod
     def convert(cls, experts: GroupedExperts, rank: int, scale: float, dropout: float, seed: int) -> LoRAGroupedExperts:
@@ -242,13 +247,13 @@ class LoRAGroupedExperts(GroupedExperts):
             offsets = group_offsets(tokens_per_expert, device)
             if tag is not None:
                 tag(None, (offsets,))
-            s = self.lora_scale
+            s, group = self.lora_scale, self.partial_grad_group
             h = _grouped(rows, fc1, offsets)
-            h = h + grouped_lora(self._adapter_input(rows), self.fc1_lora_A, self.fc1_lora_B, offsets, s)
+            h = h + grouped_lora(self._adapter_input(rows), sum_grad(self.fc1_lora_A, group), self.fc1_lora_B, offsets, s)
             p = probs.unsqueeze(-1)
             z = (activation_fn(self.activation)(h) * p).to(cdt)
             out = _grouped(z, fc2, offsets)
-            out = out + grouped_lora(self._adapter_input(z), self.fc2_lora_A, self.fc2_lora_B, offsets, s)
+            out = out + grouped_lora(self._adapter_input(z), self.fc2_lora_A, sum_grad(self.fc2_lora_B, group), offsets, s)
             if self.fc2_bias is not None:
                 positions = torch.arange(rows.shape[0], device=device, dtype=offsets.dtype)
                 expert_of_row = torch.searchsorted(offsets, positions, right=True)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_v", "all_to_all", "gather_sizes", "reduce_scatter_v"]
+__all__ = ["all_gather_v", "all_to_all", "gather_sizes", "reduce_scatter_v", "sum_grad"]
 
 # torch 2.13 renamed the flat collectives (the old names warn); older releases only have the old.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -137,6 +137,33 @@ class _ReduceScatterV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_gather_v(grad, ctx.sizes, ctx.group), None, None
+
+
+class _SumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_grad(x: Tensor, group) -> Tensor:
+    """``x`` itself, whose gradient is summed over ``group`` in backward (Megatron's "copy to region").
+
+    For a tensor every rank of ``group`` holds whole while each computes a part of its gradient
+    (an expert adapter factor that expert-tensor parallelism does not cut): applied where the
+    tensor is used, the reduction is part of the autograd graph, so it survives parameter
+    replacement (meta-device materialisation) and acts on the tensor the forward used (FSDP2's
+    unsharded parameter). ``group`` None or of one rank: ``x`` unchanged.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _SumGrad.apply(x, group)
 
 
 def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:

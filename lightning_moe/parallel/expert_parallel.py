@@ -40,7 +40,7 @@ from lightning_moe.parallel.layout_check import expert_layer_problems
 
 __all__ = [
     "ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "contiguous_strides", "expert_hidden_dim",
-    "expert_shard", "ffn_block_ranges", "is_expert_param", "record_fsdp_sharding", "sum_etp_partial_grads",
+    "expert_shard", "ffn_block_ranges", "is_expert_param", "record_fsdp_sharding",
 ]
 
 _SHARD_ATTR = "_lightning_moe_expert_shard"
@@ -69,7 +69,8 @@ class ExpertShard:
     """The dimension :func:`expert_hidden_dim` gives FSDP2 (None: derived from ``ffn_dim``)."""
     etp_replicas: int = 1
     """ETP ranks holding this same tensor, each computing a part of its gradient (an adapter factor
-    that ETP does not cut): the parts are summed over ``etp`` (:func:`sum_etp_partial_grads`)."""
+    that ETP does not cut): the module sums the parts over ``etp`` where it uses the tensor
+    (``partial_grad_group``, :func:`~lightning_moe.parallel.collectives.sum_grad`)."""
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
@@ -265,25 +266,6 @@ class _ExpertStateDictHooks:
             state_dict[key] = self.converter.to_local(state_dict[key], shard, param.shape[0], name=key)
 
 
-def sum_etp_partial_grads(param: Tensor, ctx: ParallelContext) -> None:
-    """Sum each gradient of ``param`` (an expert tensor every ETP rank holds whole) over ``etp``.
-
-    Every ETP rank computes with its F block, so a factor that is not cut over F (an adapter's
-    fc1 down projection or fc2 up projection) gets a part of its gradient on each rank. The hook
-    runs on each backward's gradient before it is accumulated, so gradient accumulation sums the
-    complete micro-batch gradients; the ETP ranks of a group run the same graph and so reach their
-    hooks in the same order. Summing over EDP then follows as for every expert gradient.
-    """
-    group = ctx.group("etp")
-
-    def reduce(grad: Tensor) -> Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    param.register_hook(reduce)
-
-
 def _group_sum(group):
     def reduce(tensor: Tensor) -> Tensor:
         dist.all_reduce(tensor, group=group)
@@ -327,11 +309,13 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
         local = _local_slice(full.detach(), spec, nle).clone()
         setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
         experts.tag_parameter(name, _SHARD_ATTR, spec)
-        if spec.etp_replicas > 1 and full.requires_grad:
-            sum_etp_partial_grads(getattr(experts, name), ctx)
     experts.num_experts, experts.expert_offset = nle, offset
     experts.ffn_hidden_size //= etp
     experts.ffn_shard = (ctx.rank_in("etp"), etp)
+    # Tensors every ETP rank holds whole get a part of their gradient from each rank's F block: the
+    # experts module sums them over this group where it uses them (a module attribute, unlike a
+    # tensor hook on the parameter, survives materialisation and FSDP2's unsharded copies).
+    experts.partial_grad_group = ctx.group("etp") if etp > 1 else None
     experts.sharded_state_dict = True  # these hooks present fc1 in either layout; the one-device ones stand aside
     hooks = _ExpertStateDictHooks(ExpertStateConverter(ctx))
     # Plain functions: torch tags public hooks with an attribute, which bound methods cannot take.

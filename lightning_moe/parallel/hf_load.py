@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_moe.lora.apply import is_adapter_key
 from lightning_moe.models import MoETransformer
 from lightning_moe.models.hf.config_map import config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config
@@ -130,8 +131,9 @@ class _SliceReader:
 
 
 def _persistent_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """Every parameter (a tied one once) and persistent buffer of ``model``, by state-dict key."""
-    yield from model.named_parameters()
+    """Every parameter (a tied one once) and persistent buffer of ``model``, by state-dict key; LoRA
+    adapters are not pretrained weights and are left out."""
+    yield from ((name, param) for name, param in model.named_parameters() if not is_adapter_key(name))
     for prefix, module in model.named_modules():
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in module._non_persistent_buffers_set:

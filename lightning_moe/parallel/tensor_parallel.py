@@ -161,6 +161,12 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     tp_mesh = ctx.dense_mesh["tp"]
     for _, module, plan in planned_modules(model):
         if plan.tensor_parallel is not None:
+            frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
             plan.tensor_parallel.apply(tp_mesh)
+            # torch's replicating partition function (sequence-parallel norms, ReplicateParallel) makes
+            # new Parameters that require grad: a frozen one (a LoRA fine-tune's base) must stay frozen.
+            for name, param in module.named_parameters():
+                if name in frozen:
+                    param.requires_grad_(False)
             place_linear_adapters(module)  # LoRA adapters of the linear layers the plan sharded
     return model
