@@ -74,9 +74,10 @@ def plan_parser() -> ArgumentParser:
     )
     parser.add_argument("--search_top", type=int, default=10, help="--search: how many layouts to print.")
     parser.add_argument(
-        "--exact", action="store_true",
-        help="Run every block of every stage (slower); by default a stage's run of identical blocks is planned "
-        "from runs with one and two of them (equal to the byte on the tested layouts).",
+        "--fast", action="store_true",
+        help="Plan a stage's run of identical blocks from runs with one and two of them: about 2x faster on deep "
+        "stages; equal on the tested small layouts, 1.3% higher peak on DeepSeek-V3's last stage (default: run "
+        "every block).",
     )
     parser.add_argument(
         "--jobs", type=int, default=None,
@@ -88,7 +89,7 @@ def plan_parser() -> ArgumentParser:
 
 _OWN_FLAGS = {
     "--json": False, "--search": False, "--gpu_memory": True, "--imbalance": True, "--search_top": True, "--jobs": True,
-    "--exact": False,
+    "--fast": False,
 }
 
 
@@ -121,11 +122,11 @@ def plan_main(argv: list[str]) -> Plan | list[tuple[Layout, Plan]]:
             if options.search:
                 ranked = search_layouts(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory,
                                         progress=lambda text: print(text, file=sys.stderr, flush=True),
-                                        jobs=options.jobs, exact=options.exact)
+                                        jobs=options.jobs, fast=options.fast)
                 _print_search(ranked, options.search_top, options.json)
                 return ranked
             result = plan(fit_args, imbalance=options.imbalance, gpu_memory=gpu_memory, jobs=options.jobs,
-                          exact=options.exact)
+                          fast=options.fast)
     except (PlanConfigError, ValueError) as err:
         print(f"{_PROG} plan: error: {' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(2) from err
@@ -192,7 +193,7 @@ def format_plan(result: Plan) -> str:
     cut = [f"stage {s.stage}: {sum(s.step.cut_blocks.values())}" for s in result.stages if s.step.cut_blocks]
     if cut:
         lines.append(f"repeated blocks extrapolated from runs with 1 and 2 of them ({', '.join(cut)} blocks; "
-                     "--exact runs them all)")
+                     "without --fast every block runs)")
     lines += [f"warning: {w}" for w in result.warnings]
     return "\n".join(lines)
 
@@ -229,10 +230,10 @@ def _model_shape(fit_args: list[str]) -> tuple[int, _Shape, dict[str, Any]]:
 
 
 def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_memory: int | None = None,
-                   progress=None, jobs: int | None = None, exact: bool = False) -> list[tuple[Layout, Plan]]:
+                   progress=None, jobs: int | None = None, fast: bool = False) -> list[tuple[Layout, Plan]]:
     """Plan every valid layout of the configuration's world size; returns ``(layout, plan)`` pairs,
     those that fit first (all, without ``gpu_memory``), each group by peak, then by communication bytes.
-    ``jobs``, ``exact``: `plan`'s, for each layout."""
+    ``jobs``, ``fast``: `plan`'s, for each layout."""
     world, shape, pipeline = _model_shape(fit_args)
     layouts = valid_layouts(
         world, num_experts=shape.num_experts, num_attention_heads=shape.num_attention_heads,
@@ -250,7 +251,7 @@ def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_m
             continue
         args = [*fit_args, *overrides]
         try:
-            planned.append((layout, plan(args, imbalance=imbalance, gpu_memory=gpu_memory, jobs=jobs, exact=exact)))
+            planned.append((layout, plan(args, imbalance=imbalance, gpu_memory=gpu_memory, jobs=jobs, fast=fast)))
         except (PlanConfigError, ValueError) as err:  # a check of the real setup refused it
             if progress is not None:
                 progress(f"  skipped: {' '.join(str(err).split())[:200]}")

@@ -4,8 +4,8 @@ per rank, before any GPU is rented.
 Runs the configuration's real setup and training step (`lightning_moe.planning.fake_fit`) once per
 distinct rank role: the first rank of every pipeline stage (ranks of one stage hold the same shapes:
 the layouts shard evenly, routing is taken balanced times ``imbalance``), several at once in forked
-processes (`lightning_moe.planning.rank_runs`); a stage's repeated blocks are extrapolated from
-runs with one and two of them (`lightning_moe.planning.repeated_blocks`). The largest of them is the answer; every stage is
+processes (`lightning_moe.planning.rank_runs`); with ``fast=True`` a stage's repeated blocks are
+extrapolated from runs with one and two of them (`lightning_moe.planning.repeated_blocks`). The largest of them is the answer; every stage is
 reported.
 """
 
@@ -126,7 +126,7 @@ class Plan:
 
 
 def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | str | None = None,
-         measure_step: int = 1, jobs: int | None = None, exact: bool = False) -> Plan:
+         measure_step: int = 1, jobs: int | None = None, fast: bool = False) -> Plan:
     """Plan ``lightning-moe fit ARGS``: run its setup and step as the first rank of every pipeline stage.
 
     ``imbalance``: routing imbalance (each expert gets this times its balanced share); default
@@ -134,9 +134,10 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     else 1.0, which a real router exceeds: the report says so. ``gpu_memory``: the device's bytes
     (or e.g. ``"80GB"``) to say whether the largest rank fits. ``jobs``: how many ranks are
     planned at once, in forked processes (default: one per CPU; 1: one after another in this
-    process; see `lightning_moe.planning.rank_runs`). A stage with many blocks of one kind is
-    planned from runs with one and two of them (`lightning_moe.planning.repeated_blocks`);
-    ``exact=True`` runs every block.
+    process; see `lightning_moe.planning.rank_runs`). ``fast``: plan a stage with many blocks of
+    one kind from runs with one and two of them (`lightning_moe.planning.repeated_blocks`: 2.3
+    times faster on DeepSeek-V3's last stage, whose peak it puts 1.3% higher than running every
+    block; equal on the tested small layouts).
     """
     layout = read_layout(args)
     dims = layout.dims
@@ -155,7 +156,7 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     def run(key: tuple[int, int | None], objects: FakeObjects) -> RankStep:
         rank, grown = key
         return fake_fit_rank(args, rank, dims.world_size, imbalance=imbalance, measure_step=measure_step,
-                             objects=objects, cut=None if exact else BlockCut(grown))
+                             objects=objects, cut=BlockCut(grown) if fast else None)
 
     jobs = default_jobs(len(order)) if jobs is None else jobs
     sent: dict = {}
@@ -174,7 +175,7 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
                 layout.num_nodes, imbalance, stages, None if gpu_memory is None else parse_bytes(gpu_memory), warnings)
 
 
-_EXTRAPOLATED = ("params_bytes", "grads_bytes", "optimizer_bytes", "start_bytes", "dispatch_bytes", "host_reads")
+_EXTRAPOLATED = ("params_bytes", "grads_bytes", "optimizer_bytes", "start_bytes", "host_reads")
 
 
 def _whole_stage(stage: int, base: RankStep, grown: dict[int, RankStep], communication) -> StagePlan:
@@ -189,6 +190,9 @@ def _whole_stage(stage: int, base: RankStep, grown: dict[int, RankStep], communi
         return round(extrapolate(base_value, {k: grown_value(s) for k, s in grown.items()}, held))
 
     values = {name: whole(getattr(base, name), lambda s, name=name: getattr(s, name)) for name in _EXTRAPOLATED}
+    # The dispatchers' buffers at the peak belong to the layer running then, not to every block: the
+    # run with the most blocks tells them best.
+    values["dispatch_bytes"] = max(s.dispatch_bytes for s in grown.values())
     # Each phase's peak grows by its own amount per block (the forward's by what a block keeps, the
     # backward's less what it frees): the step's peak is the largest of the phases' peaks.
     phases = {phase: whole(peak, lambda s, phase=phase: s.phase_peaks[phase]) for phase, peak in base.phase_peaks.items()}

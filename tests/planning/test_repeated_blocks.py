@@ -1,6 +1,6 @@
 """A stage's repeated blocks planned from runs with one and two of them equal the run with all.
 
-The oracle is the planner's exact mode (``plan(..., exact=True)``: every block run), itself checked
+The oracle is the planner's default (``plan(args)``: every block run), itself checked
 against real runs in ``test_plan_vs_measured.py``. The layouts are those of the real-run check with
 more blocks: a pipeline stage of five MoE blocks after a dense one, FSDP2 (whose step peaks in the
 forward for many blocks and in the backward for few, so the peak is extrapolated per phase), and
@@ -34,11 +34,14 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_extrapolated_blocks_equal_every_block_run(name):
     args = ["--config", CONFIG, *CASES[name]]
-    cut, exact = plan(args, jobs=1), plan(args, jobs=1, exact=True)
+    cut, exact = plan(args, jobs=1, fast=True), plan(args, jobs=1)
     assert any(s.step.cut_blocks for s in cut.stages), "the case must cut blocks to test anything"
     for a, b in zip(cut.stages, exact.stages, strict=True):
         assert not b.step.cut_blocks
-        assert a.bytes() == b.bytes(), (name, a.stage)
+        want, got = b.bytes(), a.bytes()
+        # The dispatchers' share of the peak is the layer's running then, not extrapolated (only the total is).
+        assert {k: v for k, v in got.items() if k != "dispatch_bytes"} == \
+            {k: v for k, v in want.items() if k != "dispatch_bytes"}, (name, a.stage)
         assert a.communication == b.communication, (name, a.stage)
 
 
