@@ -51,6 +51,7 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
     flex_backend: str = "auto",
     cp_comm_type: str = "p2p",
+    tp_replicated_input: bool = False,
 ) -> nn.Module:
     """Apply the parallel layout of ``ctx`` to ``model`` in place and return it.
 
@@ -64,12 +65,17 @@ def parallelize(
             parameters' dtype).
         flex_backend: implementation of the ``flex`` dispatcher, ``"auto"``, ``"torch"`` or ``"deepep"``.
         cp_comm_type: context-parallel K/V exchange, ``"p2p"`` (ring) or ``"all_gather"``.
+        tp_replicated_input: the model's inputs are the same on every rank of a TP group (as
+            ``MoEStrategy``'s batches are): MoE layers outside a tensor-parallel plan then route
+            each TP rank's slice of their input. False (default): each rank routes the tokens it is
+            given (MoE folding: the TP ranks are more ranks to spread tokens over), unless the
+            model applied tensor parallelism itself, whose layers' outputs are replicated.
     """
     check_fully_shard(model, ctx, sharding_strategy)
     apply_context_parallel(model, ctx, cp_comm_type)
     apply_tensor_parallel(model, ctx)
     planned = [m for _, m, plan in planned_modules(model) if plan.tensor_parallel is not None]
-    apply_user_tensor_parallel(model, ctx, planned=planned)
+    apply_user_tensor_parallel(model, ctx, planned=planned, replicated_input=tp_replicated_input)
     apply_expert_parallel(model, ctx, dispatcher=dispatcher, flex_backend=flex_backend)
     apply_fully_shard(model, ctx, sharding_strategy, mp_policy)
     return model

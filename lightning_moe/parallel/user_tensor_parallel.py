@@ -224,17 +224,25 @@ def broadcast_dtensor_replicas(model: nn.Module, ctx: ParallelContext) -> None:
                 dist.broadcast(tensor.to_local(), src=source, group=group)
 
 
-def apply_user_tensor_parallel(model: nn.Module, ctx: ParallelContext, planned: Sequence[nn.Module] = ()) -> nn.Module:
+def apply_user_tensor_parallel(
+    model: nn.Module, ctx: ParallelContext, planned: Sequence[nn.Module] = (), replicated_input: bool = False,
+) -> nn.Module:
     """Fit ``model``'s MoE layers and plain parameters to the tensor parallelism it applied itself (module docstring).
 
     ``planned``: submodules whose tensor parallelism lightning_moe applied from its own plan (the
-    reference transformer); their MoE layers and parameters are left alone. A no-op at TP=1.
-    Returns ``model``.
+    reference transformer); their MoE layers and parameters are left alone. ``replicated_input``:
+    the ranks of a TP group feed the model the same inputs (``MoEStrategy``), so even a model
+    without tensor parallelism of its own computes replicated inputs for its MoE layers. Without
+    either (a model of plain layers fed each rank's own tokens) nothing changes: each TP rank
+    routes what it is given. A no-op at TP=1. Returns ``model``.
     """
     check_user_dtensors(model, ctx, planned)
     if ctx.size("tp") == 1:
         return model
     planned_names = [n for n, m in model.named_modules() if any(m is p for p in planned)]
+    own_tp = any(isinstance(p, DTensor) and not _inside(n, planned_names) for n, p in model.named_parameters())
+    if not (replicated_input or own_tp):
+        return model
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer) and not _inside(n, planned_names)]
     # Every rank of a TP group holds the whole gradient of a plain parameter outside the MoE layers.
     in_layers = [n for n, _ in layers]
@@ -246,8 +254,9 @@ def apply_user_tensor_parallel(model: nn.Module, ctx: ParallelContext, planned: 
     if ctx.size("pp") > 1 and (layers or replicated):
         # Pipeline stages are re-rooted modules: the records above would not follow them.
         raise ValueError(
-            f"tensor_parallel_size={ctx.size('tp')} with pipeline_parallel_size={ctx.size('pp')} needs the reference "
-            f"lightning_moe.models.MoETransformer; {type(model).__name__} has layers outside it "
+            f"tensor_parallel_size={ctx.size('tp')} with pipeline_parallel_size={ctx.size('pp')} needs a model whose "
+            f"parallel_plan() declares tensor_parallel (such as lightning_moe.models.MoETransformer); "
+            f"{type(model).__name__} has layers outside one "
             f"({(in_layers or sorted(replicated))[0]}, ...). Use pipeline_parallel_size=1 or tensor_parallel_size=1."
         )
     for name, layer in layers:

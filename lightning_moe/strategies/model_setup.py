@@ -124,7 +124,9 @@ def prepare_model(
     move_materialized(model, device)
     broadcast_initial_state(model)
     broadcast_dtensor_replicas(model, ctx)
-    options = {"dispatcher": dispatcher, "flex_backend": flex_backend, "cp_comm_type": cp_comm_type}
+    # The ranks of a TP group load the same batches (the strategy checks it every step).
+    options = {"dispatcher": dispatcher, "flex_backend": flex_backend, "cp_comm_type": cp_comm_type,
+               "tp_replicated_input": True}
     if split is None:
         parallelize(model, ctx, sharding_strategy=sharding_strategy, mp_policy=mp_policy, **options)
     else:

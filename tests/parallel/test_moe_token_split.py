@@ -45,7 +45,7 @@ class _Holder(nn.Module):
 def _pair(ctx):
     torch.manual_seed(0)
     reference = _Holder()
-    model = parallelize(copy.deepcopy(reference), ctx)
+    model = parallelize(copy.deepcopy(reference), ctx, tp_replicated_input=True)  # as under MoEStrategy
     return reference, model
 
 
@@ -122,7 +122,7 @@ def _refusals(rank: int, world: int) -> dict:
     fully_shard(sharded, mesh=dense.dense_mesh["dp"])
     for name, model, ctx in (("pipeline", _Holder(), pipeline), ("two_d", two_d, dense), ("fsdp", sharded, dense)):
         try:
-            apply_user_tensor_parallel(model, ctx)
+            apply_user_tensor_parallel(model, ctx, replicated_input=True)  # as under MoEStrategy
             found[name] = "no error"
         except ValueError as err:
             found[name] = str(err)
@@ -131,7 +131,9 @@ def _refusals(rank: int, world: int) -> dict:
 
 def test_what_a_models_own_parallelism_may_not_do_is_refused(tmp_path):
     for found in run_distributed(_refusals, 4, timeout_s=120, tmp_dir=tmp_path):
-        assert found["pipeline"].startswith("tensor_parallel_size=2 with pipeline_parallel_size=2 needs the reference"), found
+        assert found["pipeline"].startswith(
+            "tensor_parallel_size=2 with pipeline_parallel_size=2 needs a model whose parallel_plan() declares "
+            "tensor_parallel"), found
         assert ("moe.router.weight is a DTensor on the mesh dims ('data_parallel', 'tensor_parallel'); a model's own "
                 "tensor parallelism under MoEStrategy uses self.device_mesh['tensor_parallel'] alone") in found["two_d"]
         assert "was sharded with fully_shard before MoEStrategy set it up" in found["fsdp"], found
