@@ -168,7 +168,7 @@ class ExpertStateConverter:
 
     def legacy_placements(self, shard: ExpertShard) -> list | None:
         """Placements of an older checkpoint's gated fc1 ``[E, 2F, H]`` as
-        :mod:`~lightning_moe.parallel.checkpoint_legacy` reads it: this rank's experts with the whole
+        :mod:`~lightning_moe.checkpoint.legacy` reads it: this rank's experts with the whole
         F (a rank's ETP block is not one range of that layout), its H block under sharded data
         parallelism. None for the other tensors, whose layout did not change."""
         if not shard.gated:
