@@ -1,7 +1,6 @@
 """Everything that knows ranks: the folded layout (`ParallelDims`), its process groups
 (`ParallelContext`), token dispatchers and the functions that apply parallelism to a model."""
 
-from lightning_moe.layers.weight_init import set_sharded_writer
 from lightning_moe.parallel.context import ParallelContext, build_parallel_context
 from lightning_moe.parallel.dims import GROUP_NAMES, ParallelDims, RankCoords
 from lightning_moe.parallel.dispatchers import AllGatherDispatcher, AllToAllDispatcher, DispatchStats
@@ -10,9 +9,6 @@ from lightning_moe.parallel.fully_shard import SHARDING_STRATEGIES, apply_fully_
 from lightning_moe.parallel.mixed_step import allow_mixed_tensors, mixed_tensor_updates
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
-from lightning_moe.parallel.sharded_init import write_sharded
-
-set_sharded_writer(write_sharded)  # how layers initialise weights that parallelism made DTensors
 
 __all__ = [
     "GROUP_NAMES",

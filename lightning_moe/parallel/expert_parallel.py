@@ -37,6 +37,7 @@ from lightning_moe.layers.router import RouterReduction
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers import check_dispatcher, make_dispatcher
 from lightning_moe.parallel.layout_check import expert_layer_problems
+from lightning_moe.parallel.sharded_init import enable_sharded_init
 
 __all__ = [
     "ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "contiguous_strides", "expert_hidden_dim",
@@ -360,6 +361,7 @@ def apply_expert_parallel(
         _check_layer(layer, ctx)
     # Built first, so that a backend that cannot run (DeepEP missing) leaves the model unchanged.
     dispatchers = [make_dispatcher(dispatcher, layer.config, ctx, flex_backend) for layer in layers]
+    enable_sharded_init()  # the experts' reset_parameters() then writes into their DTensor slices
     for layer, bound in zip(layers, dispatchers):
         _shard_experts(layer, ctx)
         layer.router.reduction = _router_reduction(ctx)

@@ -51,6 +51,7 @@ from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_sha
 from lightning_moe.parallel.fsdp_outputs import return_no_views
 from lightning_moe.parallel.fsdp_root import claim_units, set_chain_prefetch
 from lightning_moe.parallel.model_plan import planned_modules, resolve
+from lightning_moe.parallel.sharded_init import enable_sharded_init
 from lightning_moe.parallel.user_tensor_parallel import tp_replicated_names
 
 __all__ = [
@@ -239,6 +240,7 @@ def apply_fully_shard(
     check_fully_shard(model, ctx, sharding_strategy)
     if sharding_strategy == "NO_SHARD":
         return []
+    enable_sharded_init()  # every layer's reset_parameters() then writes into its DTensor slices
     dense_mesh = dense_shard_mesh(ctx)
     divide = float(ctx.size("dp_cp"))
     kwargs = {"reshard_after_forward": sharding_strategy == "FULL_SHARD"}

@@ -53,6 +53,7 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
 from lightning_moe.parallel.lightning_mesh import layout_dim_names
+from lightning_moe.parallel.sharded_init import enable_sharded_init
 
 __all__ = [
     "apply_user_tensor_parallel",
@@ -234,6 +235,7 @@ def apply_user_tensor_parallel(model: nn.Module, ctx: ParallelContext, planned: 
     check_user_dtensors(model, ctx, planned)
     if ctx.size("tp") == 1:
         return model
+    enable_sharded_init()  # layers the user's plan sharded write their initial values into DTensor slices
     planned_names = [n for n, m in model.named_modules() if any(m is p for p in planned)]
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoELayer) and not _inside(n, planned_names)]
     # Every rank of a TP group holds the whole gradient of a plain parameter outside the MoE layers.
