@@ -200,3 +200,62 @@ def test_parallel_does_not_import_persistence():
         "parallel/ must not import lightning_moe.checkpoint (persistence imports parallel/ and models/); "
         "move the shared piece into parallel/ or pass it in:\n" + "\n".join(offenders)
     )
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """Nodes under ``if TYPE_CHECKING:``: annotations only, never run, so no import arrow."""
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(sub) for statement in node.body for sub in ast.walk(statement))
+    return inside
+
+
+def _package_imports(tree: ast.Module, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``tree`` imports anywhere (module level or inside functions)."""
+    skipped = _type_checking_nodes(tree)
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif node.level == 0 and node.module in modules:
+            # `from package import submodule` imports the submodule; `from module import name` the module.
+            for alias in node.names:
+                found.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
+    return found
+
+
+def _two_module_cycles(imports: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} <-> {b}" for a, targets in imports.items() for b in targets if a < b and a in imports.get(b, ())
+    )
+
+
+def test_no_two_modules_import_each_other():
+    paths = _python_files([PACKAGE_DIR])
+    modules = {_module_name(path) for path in paths}
+    assert "lightning_moe.parallel.parallelize" in modules, sorted(modules)[:5]
+    imports = {_module_name(path): _package_imports(_parse(path), modules) - {_module_name(path)} for path in paths}
+    cycles = _two_module_cycles(imports)
+    assert not cycles, (
+        "two modules import each other (a function-level import counts); move what both need into the "
+        "lower one or a new module below both, or take it as an argument:\n" + "\n".join(cycles)
+    )
+
+
+def test_the_cycle_rule_sees_function_level_imports_and_ignores_type_checking():
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.c"}
+    a = ast.parse("from pkg.b import f\n")
+    b = ast.parse("def g():\n    from pkg import a\n")
+    c = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import X\n")
+    imports = {"pkg.a": _package_imports(a, modules) | {"pkg.c"}, "pkg.b": _package_imports(b, modules),
+               "pkg.c": _package_imports(c, modules)}
+    assert imports["pkg.c"] == set()
+    assert _two_module_cycles(imports) == ["pkg.a <-> pkg.b"]
