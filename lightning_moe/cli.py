@@ -20,7 +20,7 @@ reference model (``data: null`` uses the LightningModule's own dataloaders). The
 ``class_path`` (usually ``lightning_moe.strategies.MoEStrategy``) or the registered name ``moe``.
 
 Before ``fit`` (or validate/test/predict) starts any process, the CLI checks the model against
-the strategy's layout (:func:`~lightning_moe.parallel.layout_check.check_model_layout` on a
+the strategy's layout (:func:`~lightning_moe.parallel.layout.check.check_model_layout` on a
 meta-device copy): num_experts vs EP, heads and widths vs TP, TP with a model that has no
 tensor-parallel plan; and the configuration (:mod:`lightning_moe.cli_checks`): ``init_from``'s
 family and ``model_overrides``' keys (before the model is built), the batch size against
@@ -67,7 +67,7 @@ from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, 
 from lightning_moe.cli_help import HelpParser
 from lightning_moe.cli_plan import PLAN_HELP, plan_main, plan_parser
 from lightning_moe.parallel.config_error import ConfigError
-from lightning_moe.parallel.layout_check import check_model_layout, meta_copy
+from lightning_moe.parallel.layout.check import check_model_layout, meta_copy
 from lightning_moe.planning import Layout, Plan
 from lightning_moe.strategies import MoEStrategy
 
@@ -144,7 +144,7 @@ def export_main(args: list[str]) -> ExportedCheckpoint:
 
 
 def check_layout_before_launch(model: L.LightningModule | None, strategy: Any) -> None:
-    """Raise :class:`~lightning_moe.parallel.layout_check.LayoutError` if ``strategy`` (a
+    """Raise :class:`~lightning_moe.parallel.layout.check.LayoutError` if ``strategy`` (a
     ``MoEStrategy``) cannot shard ``model``; no process is started and ``model`` is not changed.
 
     A model whose meta-device copy cannot be made (e.g. its ``configure_model`` needs the Trainer)

@@ -34,9 +34,9 @@ from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.expert_state import fc1_checkpoint_shape, fc1_checkpoint_view, fc1_from_checkpoint
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import RouterReduction
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers import check_dispatcher, make_dispatcher
-from lightning_moe.parallel.layout_check import expert_layer_problems
+from lightning_moe.parallel.layout.check import expert_layer_problems
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.sharded_init import enable_sharded_init
 
 __all__ = [

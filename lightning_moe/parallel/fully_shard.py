@@ -46,10 +46,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_shard, record_fsdp_sharding
 from lightning_moe.parallel.fsdp_outputs import return_no_views
 from lightning_moe.parallel.fsdp_root import claim_units, set_chain_prefetch
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import planned_modules, resolve
 from lightning_moe.parallel.sharded_init import enable_sharded_init
 from lightning_moe.parallel.user_tensor_parallel import tp_replicated_names

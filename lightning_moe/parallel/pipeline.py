@@ -75,7 +75,7 @@ from torch.distributed.pipelining.schedules import (  # private: see _forward_on
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import plan_of
 from lightning_moe.parallel.pipeline_loss import TargetWeightedLoss
 from lightning_moe.parallel.pipeline_split import (

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import planned_modules
 from lightning_moe.parallel.sharded_init import enable_sharded_init
 

@@ -7,7 +7,7 @@ Under Lightning's ``ModelParallelStrategy`` a LightningModule shards its own den
         tp = self.device_mesh["tensor_parallel"]
         parallelize_module(self.net, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
-``MoEStrategy`` offers the same mesh names (:mod:`~lightning_moe.parallel.lightning_mesh`), and
+``MoEStrategy`` offers the same mesh names (:mod:`~lightning_moe.parallel.layout.lightning_mesh`), and
 :func:`apply_user_tensor_parallel` (run by :func:`~lightning_moe.parallel.parallelize` after the
 model's own ``configure_model``) makes the rest of the layout agree with such a model:
 
@@ -50,9 +50,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
-from lightning_moe.parallel.lightning_mesh import layout_dim_names
+from lightning_moe.parallel.layout.groups import ParallelContext
+from lightning_moe.parallel.layout.lightning_mesh import layout_dim_names
 from lightning_moe.parallel.sharded_init import enable_sharded_init
 
 __all__ = [

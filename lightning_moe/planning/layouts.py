@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 from lightning_moe.cli_checks import sequence_multiple
 from lightning_moe.models.parallel_plan import check_tensor_parallel_sizes
-from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
-from lightning_moe.parallel.layout_check import expert_layer_problems
+from lightning_moe.parallel.layout.check import expert_layer_problems
+from lightning_moe.parallel.layout.dims import ParallelDims
 from lightning_moe.parallel.pipeline import check_pipeline_options, sharded_schedule_problem
 from lightning_moe.parallel.pipeline_split import layer_split
 
@@ -118,7 +118,7 @@ def valid_layouts(
 
     Kept, by the package's own checks: the layout folds (``ParallelDims``); the experts split over
     EP and, when given, ``expert_ffn_hidden_size`` over ETP, and ``fc2_bias`` only without ETP
-    (:func:`~lightning_moe.parallel.layout_check.expert_layer_problems`); under TP the heads, the
+    (:func:`~lightning_moe.parallel.layout.check.expert_layer_problems`); under TP the heads, the
     key/value heads and, when given, ``vocab_size`` and the dense ``ffn_hidden_size`` divide by TP,
     without ``tie_embeddings`` (``apply_tensor_parallel``'s check); ``seq_len`` is a multiple of
     :func:`~lightning_moe.cli_checks.sequence_multiple` (CP chunks, TP slices); under PP the

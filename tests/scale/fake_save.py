@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from lightning_moe.checkpoint.sharded import optimizer_state_dict
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.planning.step_probe import StepProbe, StepRecord
 
 __all__ = ["ResolvingWriter", "measure_checkpoint_save"]
