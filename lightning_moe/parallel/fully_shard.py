@@ -12,7 +12,7 @@ over the data-parallel ranks of their own mesh (docs/architecture.md §10):
   one flattened mesh dimension ``dp_cp`` when ``cp > 1``): one unit per module a model's plan
   lists in ``fsdp_units`` (:mod:`~lightning_moe.parallel.model_plan`; the reference model's
   blocks, embedding, final norm and head, and those of a pipeline stage,
-  :class:`~lightning_moe.parallel.pipeline_split.StageModule`; modules that share a parameter,
+  :class:`~lightning_moe.parallel.pipeline.split.StageModule`; modules that share a parameter,
   such as a tied embedding and head, form one unit), one per
   :class:`~lightning_moe.layers.MoELayer` outside them, and one per
   top-level module for what is left. Tensor-parallel DTensors get FSDP's 2-D ``(dp, tp)``

@@ -22,8 +22,8 @@ from lightning_moe.models.parallel_plan import check_tensor_parallel_sizes
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.layout.check import expert_layer_problems
 from lightning_moe.parallel.layout.dims import ParallelDims
-from lightning_moe.parallel.pipeline import check_pipeline_options, sharded_schedule_problem
-from lightning_moe.parallel.pipeline_split import layer_split
+from lightning_moe.parallel.pipeline.runner import check_pipeline_options, sharded_schedule_problem
+from lightning_moe.parallel.pipeline.split import layer_split
 
 __all__ = ["STRATEGY_CLASS_PATH", "Layout", "command_line", "cross_node_warnings", "valid_layouts"]
 
@@ -123,9 +123,9 @@ def valid_layouts(
     without ``tie_embeddings`` (``apply_tensor_parallel``'s check); ``seq_len`` is a multiple of
     :func:`~lightning_moe.cli_checks.sequence_multiple` (CP chunks, TP slices); under PP the
     ``num_layers`` blocks fill ``PP x virtual stages`` stages
-    (:func:`~lightning_moe.parallel.pipeline_split.layer_split`), ``batch_size`` splits into
+    (:func:`~lightning_moe.parallel.pipeline.split.layer_split`), ``batch_size`` splits into
     ``num_microbatches`` and the schedule runs on the sharding strategy
-    (:func:`~lightning_moe.parallel.pipeline.sharded_schedule_problem`); sharded experts split
+    (:func:`~lightning_moe.parallel.pipeline.runner.sharded_schedule_problem`); sharded experts split
     ``hidden_size`` (when given) evenly over EDP.
 
     Not checked (they depend on the model object, not its sizes): MoE blocks that are not

@@ -15,7 +15,7 @@ them, moves from one phase to another as blocks are added and is not itself a st
 parameter shapes are the same (DeepSeek-V3's dense and MoE blocks are two kinds). A kind is cut only
 where that saves work (counted in blocks run, each run's setup as one more: a stage of 8 blocks of
 one kind runs 1 + 2 blocks in two runs); ``plan(..., exact=True)`` runs every block. The cut happens on the meta-device model, before the strategy splits and shards it, through
-the same pipeline parts (`~lightning_moe.parallel.pipeline_split.PipelineParts`) pipeline
+the same pipeline parts (`~lightning_moe.parallel.pipeline.split.PipelineParts`) pipeline
 parallelism uses: models without them run whole.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_moe.parallel.pipeline_split import layer_split, pipeline_parts_of
+from lightning_moe.parallel.pipeline.split import layer_split, pipeline_parts_of
 
 __all__ = ["BlockCut", "cut_blocks", "extrapolate"]
 
