@@ -1,7 +1,7 @@
 """Pipeline bubble of each schedule on CPU, measured against the schedule's theory (``--help``).
 
 On ``P=2`` forked gloo CPU ranks (``tests/helpers/dist.py::run_distributed``, one thread each), a
-dense-and-MoE ``MoETransformer`` is split by :class:`~lightning_moe.parallel.pipeline.PipelineRunner`
+dense-and-MoE ``MoETransformer`` is split by :class:`~lightning_moe.parallel.pipeline.runner.PipelineRunner`
 and one training step (forward, backward, no optimizer) is timed per schedule and micro-batch count
 ``M`` (fastest of ``--rounds`` after one warm-up: the machine may be shared). The ideal step is the work of one rank without any
 wait: ``M`` times its stages' forward and backward of one micro-batch, timed on that rank alone
@@ -32,7 +32,7 @@ from lightning_moe.layers.loss_scale import set_aux_loss_scale
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context
-from lightning_moe.parallel.pipeline import PIPELINE_SCHEDULES, PipelineRunner
+from lightning_moe.parallel.pipeline.runner import PIPELINE_SCHEDULES, PipelineRunner
 
 P = 2
 

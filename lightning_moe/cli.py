@@ -21,7 +21,7 @@ reference model (``data: null`` uses the LightningModule's own dataloaders). The
 ``class_path`` (usually ``lightning_moe.strategies.MoEStrategy``) or the registered name ``moe``.
 
 Before ``fit`` (or validate/test/predict) starts any process, the CLI checks the model against
-the strategy's layout (:func:`~lightning_moe.parallel.layout_check.check_model_layout` on a
+the strategy's layout (:func:`~lightning_moe.parallel.layout.check.check_model_layout` on a
 meta-device copy): num_experts vs EP, heads and widths vs TP, TP with a model that has no
 tensor-parallel plan; and the configuration (:mod:`lightning_moe.cli_checks`): ``init_from``'s
 family and ``model_overrides``' keys (before the model is built), the batch size against
@@ -34,12 +34,12 @@ message without a traceback (exit status 2); such an error found after the launc
 (``<save_dir>/<name>/version_N/checkpoints`` unless ``ModelCheckpoint(dirpath=...)`` is set), so
 resume with the same ``--trainer.logger.init_args.version`` or an explicit path.
 
-``export`` (:mod:`lightning_moe.parallel.checkpoint_export`) writes the model's global state dict
+``export`` (:mod:`lightning_moe.checkpoint.export`) writes the model's global state dict
 of a checkpoint of any layout, sharded or consolidated, as one ``torch.save`` file that loads with
 ``torch.load(weights_only=True)`` and ``load_state_dict(strict=True)``; it needs no model class.
 ``export --format hf`` writes the reference model of such a checkpoint as a Hugging Face directory
 (``config.json`` + safetensors) that ``transformers`` loads
-(:mod:`lightning_moe.parallel.checkpoint_export_hf`). ``model: {init_from: DIR}`` starts training
+(:mod:`lightning_moe.checkpoint.export_hf`). ``model: {init_from: DIR}`` starts training
 from a Hugging Face directory (:class:`~lightning_moe.lit.MoELanguageModel`). ``generate``
 (:mod:`lightning_moe.cli_generate`) continues a prompt with such a checkpoint in one process, with
 the run's tokenizer.
@@ -58,18 +58,18 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_moe.strategies  # noqa: F401  (registers strategy="moe")
+from lightning_moe.checkpoint.export import ExportedCheckpoint, export_checkpoint
+from lightning_moe.checkpoint.export_hf import export_hf
+from lightning_moe.checkpoint.integrity import CheckpointIntegrityError
+from lightning_moe.checkpoint.security import UnsafeCheckpointError
 from lightning_moe.cli_checks import check_config_before_launch, check_init_from_before_launch
 from lightning_moe.cli_ckpt_hparams import checkpoint_hyperparameters
 from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
 from lightning_moe.cli_help import HelpParser
 from lightning_moe.cli_plan import PLAN_HELP, plan_main, plan_parser
 from lightning_moe.lora.export import export_merged
-from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
-from lightning_moe.parallel.checkpoint_export_hf import export_hf
-from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
-from lightning_moe.parallel.checkpoint_security import UnsafeCheckpointError
 from lightning_moe.parallel.config_error import ConfigError
-from lightning_moe.parallel.layout_check import check_model_layout, meta_copy
+from lightning_moe.parallel.layout.check import check_model_layout, meta_copy
 from lightning_moe.planning import Layout, Plan
 from lightning_moe.strategies import MoEStrategy
 
@@ -160,7 +160,7 @@ def export_main(args: list[str]) -> ExportedCheckpoint:
 
 
 def check_layout_before_launch(model: L.LightningModule | None, strategy: Any) -> None:
-    """Raise :class:`~lightning_moe.parallel.layout_check.LayoutError` if ``strategy`` (a
+    """Raise :class:`~lightning_moe.parallel.layout.check.LayoutError` if ``strategy`` (a
     ``MoEStrategy``) cannot shard ``model``; no process is started and ``model`` is not changed.
 
     A model whose meta-device copy cannot be made (e.g. its ``configure_model`` needs the Trainer)

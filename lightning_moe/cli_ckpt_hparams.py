@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_moe.parallel.checkpoint_security import is_mappable
+from lightning_moe.checkpoint.security import is_mappable
 from lightning_moe.parallel.config_error import ConfigError
 
 __all__ = ["BUILD_KEYS", "checkpoint_hyperparameters"]

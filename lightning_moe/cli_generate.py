@@ -6,7 +6,7 @@
 CKPT is a :class:`~lightning_moe.lit.MoELanguageModel` checkpoint of any layout: a sharded
 ``MoEStrategy`` directory written at any TP/EP/ETP/PP size and sharding strategy, or a consolidated
 file. It is read as ``lightning-moe export`` reads it
-(:func:`~lightning_moe.parallel.checkpoint_export.read_checkpoint`: completeness and checksums
+(:func:`~lightning_moe.checkpoint.export.read_checkpoint`: completeness and checksums
 checked, nothing executed), into one :class:`~lightning_moe.models.MoETransformer` of the recorded
 configuration, in this process, without a process group.
 
@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from jsonargparse import ArgumentParser
 
+from lightning_moe.checkpoint.export import read_checkpoint
+from lightning_moe.checkpoint.export_hf import recorded_config
+from lightning_moe.checkpoint.integrity import CheckpointIntegrityError
+from lightning_moe.checkpoint.security import UnsafeCheckpointError
 from lightning_moe.data import ByteTokenizer, HFTokenizer
 from lightning_moe.data.token_check import TokenIdError, check_token_ids
 from lightning_moe.models import MoETransformer
 from lightning_moe.models.generation import generate_tokens
-from lightning_moe.parallel.checkpoint_export import read_checkpoint
-from lightning_moe.parallel.checkpoint_export_hf import recorded_config
-from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
-from lightning_moe.parallel.checkpoint_security import UnsafeCheckpointError
 
 __all__ = ["GENERATE_HELP", "Generated", "generate_main", "generate_parser", "load_checkpoint_model", "run_tokenizer"]
 

@@ -35,11 +35,11 @@ from helpers.dist import run_distributed
 from torch import nn
 
 from lightning_moe import MoEConfig
+from lightning_moe.checkpoint.export import export_checkpoint
+from lightning_moe.checkpoint.integrity import CheckpointIntegrityError
 from lightning_moe.cli import cli_main
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models import MoETransformerConfig
-from lightning_moe.parallel.checkpoint_export import export_checkpoint
-from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "configs" / "tiny_cpu.yaml"

@@ -12,7 +12,7 @@ that does not split into the pipeline's micro-batches (a configuration check of
 :mod:`lightning_moe.cli_checks`, whose other checks are tested in-process in
 ``test_cli_config_checks.py``).
 
-In-process unit tests of :mod:`lightning_moe.parallel.layout_check` follow: the check accepts the
+In-process unit tests of :mod:`lightning_moe.parallel.layout.check` follow: the check accepts the
 layouts the suite trains with, reports each problem, and its meta-device copy leaves the model and
 the RNG that will initialise it untouched.
 """
@@ -34,7 +34,7 @@ from lightning_moe.cli import check_layout_before_launch
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models import MoETransformerConfig
 from lightning_moe.parallel import ParallelDims
-from lightning_moe.parallel.layout_check import LayoutError, check_model_layout, layout_problems, meta_copy
+from lightning_moe.parallel.layout.check import LayoutError, check_model_layout, layout_problems, meta_copy
 from lightning_moe.strategies import MoEStrategy
 
 REPO = Path(__file__).resolve().parents[1]

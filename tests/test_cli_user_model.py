@@ -26,8 +26,8 @@ from helpers.asserts import assert_close_to_scale
 from helpers.dist import run_distributed
 from helpers.user_model import UserMoELM, write_user_project
 
+from lightning_moe.checkpoint.export import export_checkpoint
 from lightning_moe.cli import cli_main
-from lightning_moe.parallel.checkpoint_export import export_checkpoint
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 WORLD = 2

@@ -16,7 +16,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = REPO_ROOT / "lightning_moe"
-CORE_SUBPACKAGES = ("layers", "parallel", "memory", "graphs", "precision", "metrics", "models", "data")
+CORE_SUBPACKAGES = (
+    "layers", "parallel", "checkpoint", "memory", "graphs", "precision", "metrics", "models", "data"
+)
 LIGHTNING_MODULES = ("lightning", "pytorch_lightning")
 
 
@@ -123,14 +125,10 @@ def test_importing_the_core_does_not_import_lightning():
 
 
 # The core packages that every model shares never import a particular model: what they need of one
-# is declared by the model (lightning_moe.parallel.model_plan). Persistence of the reference model
-# still lives in parallel/ and is exempt until it moves into its own checkpoint package.
+# is declared by the model (lightning_moe.parallel.model_plan). Persistence (lightning_moe.checkpoint)
+# may import models, for the Hugging Face formats, so it sits above them and parallel/ never imports it.
 MODEL_FREE_SUBPACKAGES = ("parallel", "graphs", "memory", "layers")
 MODEL_PACKAGES = ("lightning_moe.models", "lightning_moe.lit")
-MODEL_IMPORT_EXEMPT = (
-    "lightning_moe/parallel/checkpoint_export_hf.py",  # moves to lightning_moe/checkpoint/ with persistence
-    "lightning_moe/parallel/hf_load.py",  # moves to lightning_moe/checkpoint/ with persistence
-)
 
 
 def _top_level_origin(node: ast.AST) -> list[str]:
@@ -163,11 +161,9 @@ def _model_imports(tree: ast.Module) -> list[tuple[ast.AST, str]]:
 def test_core_packages_import_no_model():
     directories = [PACKAGE_DIR / name for name in MODEL_FREE_SUBPACKAGES]
     assert all(d.is_dir() for d in directories), directories
-    exempt = {REPO_ROOT / p for p in MODEL_IMPORT_EXEMPT}
-    assert all(p.is_file() for p in exempt), f"an exempt file moved; update MODEL_IMPORT_EXEMPT: {exempt}"
     offenders = [
         f"{_where(path, node)}: imports {module}"
-        for path in _python_files(directories) if path not in exempt
+        for path in _python_files(directories)
         for node, module in _model_imports(_parse(path))
     ]
     assert not offenders, (
@@ -189,3 +185,77 @@ def test_the_model_import_rule_sees_every_import_form():
         "from lightning_moe import MoELayer as Layer\n"
     )
     assert sorted(node.lineno for node, _ in _model_imports(tree)) == [1, 2, 3, 4, 6]
+
+
+def test_parallel_does_not_import_persistence():
+    """``parallel/`` lays out and runs a model; saving and loading sit above it in ``checkpoint/``."""
+    assert _python_files([PACKAGE_DIR / "checkpoint"]), f"no Python files under {PACKAGE_DIR / 'checkpoint'}"
+    offenders = [
+        f"{_where(path, node)}: imports {module}"
+        for path in _python_files([PACKAGE_DIR / "parallel"])
+        for node in ast.walk(_parse(path))
+        if (module := _first_import_within(node, ("lightning_moe.checkpoint",))) is not None
+    ]
+    assert not offenders, (
+        "parallel/ must not import lightning_moe.checkpoint (persistence imports parallel/ and models/); "
+        "move the shared piece into parallel/ or pass it in:\n" + "\n".join(offenders)
+    )
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """Nodes under ``if TYPE_CHECKING:``: annotations only, never run, so no import arrow."""
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(sub) for statement in node.body for sub in ast.walk(statement))
+    return inside
+
+
+def _package_imports(tree: ast.Module, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``tree`` imports anywhere (module level or inside functions)."""
+    skipped = _type_checking_nodes(tree)
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif node.level == 0 and node.module in modules:
+            # `from package import submodule` imports the submodule; `from module import name` the module.
+            for alias in node.names:
+                found.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
+    return found
+
+
+def _two_module_cycles(imports: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} <-> {b}" for a, targets in imports.items() for b in targets if a < b and a in imports.get(b, ())
+    )
+
+
+def test_no_two_modules_import_each_other():
+    paths = _python_files([PACKAGE_DIR])
+    modules = {_module_name(path) for path in paths}
+    assert "lightning_moe.parallel.parallelize" in modules, sorted(modules)[:5]
+    imports = {_module_name(path): _package_imports(_parse(path), modules) - {_module_name(path)} for path in paths}
+    cycles = _two_module_cycles(imports)
+    assert not cycles, (
+        "two modules import each other (a function-level import counts); move what both need into the "
+        "lower one or a new module below both, or take it as an argument:\n" + "\n".join(cycles)
+    )
+
+
+def test_the_cycle_rule_sees_function_level_imports_and_ignores_type_checking():
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.c"}
+    a = ast.parse("from pkg.b import f\n")
+    b = ast.parse("def g():\n    from pkg import a\n")
+    c = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import X\n")
+    imports = {"pkg.a": _package_imports(a, modules) | {"pkg.c"}, "pkg.b": _package_imports(b, modules),
+               "pkg.c": _package_imports(c, modules)}
+    assert imports["pkg.c"] == set()
+    assert _two_module_cycles(imports) == ["pkg.a <-> pkg.b"]

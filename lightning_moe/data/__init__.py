@@ -17,15 +17,16 @@ corpus once as memory-mapped token files, which ``build_datasets`` then reads wi
 from lightning_moe.data.files import (
     SPLIT_BUCKETS,
     TextFiles,
+    is_token_directory,
     is_validation_document,
     stdlib_corpus,
     stdlib_dir,
 )
 from lightning_moe.data.hf_tokenizer import HFTokenizer
 from lightning_moe.data.split import CorpusSplit, TextPart, split_corpus
-from lightning_moe.data.text import PackedTokenDataset, Tokenizer, build_datasets
-from lightning_moe.data.token_files import is_token_directory, pretokenize, read_token_split
-from lightning_moe.data.tokenizer import ByteTokenizer
+from lightning_moe.data.text import PackedTokenDataset, build_datasets
+from lightning_moe.data.token_files import pretokenize, read_token_split
+from lightning_moe.data.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "SPLIT_BUCKETS",

@@ -15,12 +15,23 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import overload
+from typing import Any, overload
 
-__all__ = ["SPLIT_BUCKETS", "PathLike", "TextFiles", "is_validation_document", "stdlib_corpus", "stdlib_dir"]
+__all__ = [
+    "SPLIT_BUCKETS",
+    "TOKENS_META",
+    "PathLike",
+    "TextFiles",
+    "is_token_directory",
+    "is_validation_document",
+    "stdlib_corpus",
+    "stdlib_dir",
+]
 
 PathLike = str | os.PathLike
 SPLIT_BUCKETS = 1000
+TOKENS_META = "tokens.json"
+"""The file that marks a directory written by :func:`~lightning_moe.data.pretokenize`."""
 """A document is in validation when ``crc32(relative path) % SPLIT_BUCKETS < val_fraction * SPLIT_BUCKETS``."""
 
 # Directories of the standard library that are not the library itself (third-party packages, test
@@ -197,3 +208,8 @@ def stdlib_corpus(max_files: int | None = None) -> list[Path]:
         raise FileNotFoundError(f"no standard-library *.py files under {root}")
     relative.sort(key=_sort_key)
     return [root / rel for rel in relative[:max_files]]
+
+
+def is_token_directory(source: Any) -> bool:
+    """Whether ``source`` is a directory written by :func:`~lightning_moe.data.pretokenize` (a pre-tokenized corpus)."""
+    return isinstance(source, (str, os.PathLike)) and (Path(source) / TOKENS_META).is_file()

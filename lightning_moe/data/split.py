@@ -19,8 +19,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_moe.data.files import PathLike, TextFiles, _check_val_fraction, stdlib_corpus, stdlib_dir
-from lightning_moe.data.token_files import is_token_directory
+from lightning_moe.data.files import (
+    PathLike,
+    TextFiles,
+    _check_val_fraction,
+    is_token_directory,
+    stdlib_corpus,
+    stdlib_dir,
+)
 
 __all__ = ["CorpusSplit", "TextPart", "split_corpus"]
 

@@ -13,31 +13,17 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_moe.data.files import PathLike
+from lightning_moe.data.files import PathLike, is_token_directory
 from lightning_moe.data.split import CorpusSplit, split_corpus
-from lightning_moe.data.token_files import is_token_directory, read_token_meta, read_token_split
-from lightning_moe.data.tokenizer import ByteTokenizer
+from lightning_moe.data.token_files import read_token_meta, read_token_split
+from lightning_moe.data.tokenizer import STREAM_DTYPE, ByteTokenizer, Tokenizer, encode_document
 
 __all__ = ["PackedTokenDataset", "Tokenizer", "build_datasets"]
-
-# The stream is stored compactly and widened per sample; vocabularies never approach 2**31.
-_STREAM_DTYPE = torch.int32
-
-
-class Tokenizer(Protocol):
-    """What the datasets need from a tokenizer (:class:`ByteTokenizer` is one)."""
-
-    @property
-    def eos_id(self) -> int: ...
-
-    def encode(self, text: str) -> Sequence[int] | Tensor: ...
-
 
 def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
     if allow_none and value is None:
@@ -47,33 +33,23 @@ def _check_positive_int(name: str, value: object, allow_none: bool = False) -> N
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
-def _encode(tokenizer: Tokenizer, text: str) -> Tensor:
-    # ByteTokenizer.encode_tensor skips the Python list of ints; any other tokenizer uses encode.
-    encode_tensor = getattr(tokenizer, "encode_tensor", None)
-    ids = encode_tensor(text) if callable(encode_tensor) else tokenizer.encode(text)
-    ids = ids.to(_STREAM_DTYPE) if isinstance(ids, Tensor) else torch.tensor(ids, dtype=_STREAM_DTYPE)
-    if ids.dim() != 1:
-        raise ValueError(f"tokenizer.encode must return a 1-D sequence of ids, got shape {tuple(ids.shape)}")
-    return ids
-
-
 def _token_stream(
     documents: Iterable[str], tokenizer: Tokenizer, max_tokens: int | None
 ) -> tuple[Tensor, int]:
     """The EOS-terminated concatenation of the non-empty documents, cut at ``max_tokens``."""
-    eos = torch.tensor([tokenizer.eos_id], dtype=_STREAM_DTYPE)
+    eos = torch.tensor([tokenizer.eos_id], dtype=STREAM_DTYPE)
     parts: list[Tensor] = []
     total = num_documents = 0
     for text in documents:  # a TextFiles reads lazily: files past the cap are never opened
         if not text:
             continue
-        ids = _encode(tokenizer, text)
+        ids = encode_document(tokenizer, text)
         parts += [ids, eos]
         total += len(ids) + 1
         num_documents += 1
         if max_tokens is not None and total >= max_tokens:
             break
-    stream = torch.cat(parts) if parts else torch.empty(0, dtype=_STREAM_DTYPE)
+    stream = torch.cat(parts) if parts else torch.empty(0, dtype=STREAM_DTYPE)
     if max_tokens is not None and len(stream) > max_tokens:
         stream = stream[:max_tokens].clone()
     return stream, num_documents

@@ -28,19 +28,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_moe.data.files import TOKENS_META, is_token_directory
+from lightning_moe.data.tokenizer import encode_document  # the datasets' own encoding: equal streams
+
 __all__ = ["TOKENS_META", "is_token_directory", "pretokenize", "read_token_split"]
 
-TOKENS_META = "tokens.json"
 _FORMAT = "lightning_moe-tokens-v1"
 
 
-def is_token_directory(source: Any) -> bool:
-    """Whether ``source`` is a directory written by :func:`pretokenize`."""
-    return isinstance(source, (str, os.PathLike)) and (Path(source) / TOKENS_META).is_file()
-
-
 def _write_split(documents: Iterable[str], tokenizer, path: Path, name: str, dtype: np.dtype) -> dict[str, int]:
-    from lightning_moe.data.text import _encode  # the datasets' own encoding: equal streams
 
     offsets, total = [0], 0
     eos = np.array([tokenizer.eos_id], dtype=dtype)
@@ -48,7 +44,7 @@ def _write_split(documents: Iterable[str], tokenizer, path: Path, name: str, dty
         for text in documents:
             if not text:
                 continue  # as the datasets do
-            ids = _encode(tokenizer, text).numpy().astype(dtype)
+            ids = encode_document(tokenizer, text).numpy().astype(dtype)
             ids.tofile(handle)
             eos.tofile(handle)
             total += len(ids) + 1

@@ -16,12 +16,14 @@ trained on them learns to give them vanishing probability.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
+from typing import Protocol
 
 import torch
+from torch import Tensor
 
-__all__ = ["NUM_BYTES", "ByteTokenizer"]
+__all__ = ["NUM_BYTES", "STREAM_DTYPE", "ByteTokenizer", "Tokenizer", "encode_document"]
 
 NUM_BYTES = 256
 """Ids below this are raw bytes; special tokens start here."""
@@ -137,3 +139,27 @@ class ByteTokenizer:
     def __reduce__(self):
         # MappingProxyType is not picklable; the tokenizer has no state to save.
         return (type(self), ())
+
+
+STREAM_DTYPE = torch.int32
+"""The dtype of encoded token streams: stored compactly and widened per sample; vocabularies never approach 2**31."""
+
+
+class Tokenizer(Protocol):
+    """What the datasets need from a tokenizer (:class:`ByteTokenizer` is one)."""
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode(self, text: str) -> Sequence[int] | Tensor: ...
+
+
+def encode_document(tokenizer: Tokenizer, text: str) -> Tensor:
+    """``text``'s ids as a 1-D :data:`STREAM_DTYPE` tensor: the one encoding the datasets and ``pretokenize`` share."""
+    # ByteTokenizer.encode_tensor skips the Python list of ints; any other tokenizer uses encode.
+    encode_tensor = getattr(tokenizer, "encode_tensor", None)
+    ids = encode_tensor(text) if callable(encode_tensor) else tokenizer.encode(text)
+    ids = ids.to(STREAM_DTYPE) if isinstance(ids, Tensor) else torch.tensor(ids, dtype=STREAM_DTYPE)
+    if ids.dim() != 1:
+        raise ValueError(f"tokenizer.encode must return a 1-D sequence of ids, got shape {tuple(ids.shape)}")
+    return ids

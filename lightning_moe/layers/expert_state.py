@@ -15,7 +15,7 @@ rows are two separate ranges, which no DTensor sharding describes.
 Older checkpoints hold ``[E, 2F, H]`` (the layout before ``[E, 2, F, H]``): the same numbers in
 the same order, ``old.view(E, 2, F, H)`` being the new tensor, so converting is a reshape. The
 load hook accepts both; sharded checkpoints of the old layout are read through
-:mod:`lightning_moe.parallel.checkpoint_legacy`.
+:mod:`lightning_moe.checkpoint.legacy`.
 """
 
 from __future__ import annotations

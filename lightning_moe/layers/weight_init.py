@@ -4,8 +4,9 @@ Layers draw their initial weights in full, from their own generators, so every p
 starts from the one-device numbers. A weight that tensor or sharded data parallelism turned into
 a DTensor keeps only the slice its placements give this rank; every rank drew the same values, so
 no communication is needed. Cutting that slice needs ``torch.distributed``, which this package
-does not use: :mod:`lightning_moe.parallel` registers the writer (:func:`set_sharded_writer`) when
-it is imported, which it is before any weight becomes a DTensor.
+does not use: the functions of :mod:`lightning_moe.parallel` that shard weights hand over the writer
+(:func:`set_sharded_writer`, through ``lightning_moe.parallel.sharded_init.enable_sharded_init``)
+before any weight becomes a DTensor. Importing either package installs nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def write_full(weight: Tensor, values: Tensor, index: int | None = None) -> None
     """``weight.copy_(values)`` (or ``weight[index].copy_(values)``), keeping this rank's slice of a DTensor."""
     if hasattr(weight, "placements"):
         if _sharded_writer is None:
-            raise RuntimeError("a sharded weight is initialised before lightning_moe.parallel was imported")
+            raise RuntimeError(
+                f"write_full got a DTensor weight (placements {weight.placements}) but no writer for it: the "
+                "weight was sharded outside lightning_moe.parallel's apply functions. Call "
+                "lightning_moe.parallel.sharded_init.enable_sharded_init() before reset_parameters()."
+            )
         _sharded_writer(weight, values, index)
     elif index is None:
         weight.copy_(values)

@@ -27,12 +27,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_moe.checkpoint.export_hf import MODEL_CONFIG_KEY, model_record
 from lightning_moe.data.token_check import check_token_ids, vocab_problem
 from lightning_moe.lora import LoRAConfig, apply_lora, is_adapter_key
 from lightning_moe.lora.checkpoint import LORA_RECORD_KEY, adapter_state, base_fingerprint, base_mismatches
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT
-from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, model_record
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.context_parallel_apply import cp_token_mean
 
@@ -214,7 +214,7 @@ class MoELanguageModel(L.LightningModule):
     Under :class:`~lightning_moe.strategies.MoEStrategy` the transformer is built on the meta
     device, parallelised and materialised by the strategy (each rank draws only its shard), and with
     ``init_from`` each rank then reads only its own slices of the weights
-    (:func:`~lightning_moe.parallel.hf_load.load_hf_weights`), so no rank ever holds the whole
+    (:func:`~lightning_moe.checkpoint.hf_load.load_hf_weights`), so no rank ever holds the whole
     model. The weights are read when the first loop starts (fit, validate, test or predict), after
     Lightning restored a checkpoint: resuming with ``ckpt_path`` keeps the checkpoint's weights and
     reads nothing from ``init_from``. Checkpoints record the directory's ``config.json`` and which
@@ -295,7 +295,7 @@ class MoELanguageModel(L.LightningModule):
             raise ValueError("load_pretrained_weights needs init_from (a Hugging Face model directory).")
         if self.model is None:
             self.configure_model()
-        from lightning_moe.parallel.hf_load import load_hf_weights  # safetensors: the hf extra
+        from lightning_moe.checkpoint.hf_load import load_hf_weights  # safetensors: the hf extra
 
         read = load_hf_weights(self.model, self.init_from)
         self._init_pending = False

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
+from lightning_moe.checkpoint.export import ExportedCheckpoint, read_checkpoint, write_failure
+from lightning_moe.checkpoint.files import partial_path
 from lightning_moe.lora.apply import apply_lora, is_adapter_key, merge_lora
 from lightning_moe.lora.checkpoint import LORA_RECORD_KEY, base_fingerprint, base_mismatches
 from lightning_moe.lora.config import LoRAConfig
-from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, read_checkpoint, write_failure
-from lightning_moe.parallel.checkpoint_files import partial_path
 
 __all__ = ["MERGE_FORMATS", "export_merged"]
 

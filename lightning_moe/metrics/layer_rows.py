@@ -4,7 +4,7 @@ Without pipeline parallelism :func:`~lightning_moe.metrics.moe_layers` numbers a
 in ``modules()`` order: row ``i`` of :class:`~lightning_moe.metrics.ExpertLoadMetric` and the
 logged ``layer_<i>`` names. Under pipeline parallelism each rank holds only its stages' blocks,
 kept under their global names (the trimmed blocks' ``nn.ModuleDict`` is keyed by the original
-indices, ``model.layers.5``: :mod:`lightning_moe.parallel.pipeline_split`), so its own layers
+indices, ``model.layers.5``: :mod:`lightning_moe.parallel.pipeline.split`), so its own layers
 would be numbered from 0 within the stage. :func:`global_layer_rows` gives each of this rank's
 layers its number in the whole model instead: every rank reads its layers' positions from their
 names, the positions are gathered over the pipeline group and sorted, and a layer's row is its

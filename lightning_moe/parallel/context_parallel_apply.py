@@ -28,13 +28,13 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.context_parallel import (
     CP_COMM_TYPES,
     context_parallel_attention,
     load_balanced_positions,
     shard_sequence,
 )
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import ContextParallelPlan, planned_modules, resolve
 
 __all__ = [

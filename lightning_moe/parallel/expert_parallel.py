@@ -34,9 +34,10 @@ from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.expert_state import fc1_checkpoint_shape, fc1_checkpoint_view, fc1_from_checkpoint
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import RouterReduction
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers import check_dispatcher, make_dispatcher
-from lightning_moe.parallel.layout_check import expert_layer_problems
+from lightning_moe.parallel.layout.check import expert_layer_problems
+from lightning_moe.parallel.layout.groups import ParallelContext
+from lightning_moe.parallel.sharded_init import enable_sharded_init
 
 __all__ = [
     "ExpertShard", "ExpertStateConverter", "apply_expert_parallel", "contiguous_strides", "expert_hidden_dim",
@@ -169,7 +170,7 @@ class ExpertStateConverter:
 
     def legacy_placements(self, shard: ExpertShard) -> list | None:
         """Placements of an older checkpoint's gated fc1 ``[E, 2F, H]`` as
-        :mod:`~lightning_moe.parallel.checkpoint_legacy` reads it: this rank's experts with the whole
+        :mod:`~lightning_moe.checkpoint.legacy` reads it: this rank's experts with the whole
         F (a rank's ETP block is not one range of that layout), its H block under sharded data
         parallelism. None for the other tensors, whose layout did not change."""
         if not shard.gated:
@@ -344,6 +345,7 @@ def apply_expert_parallel(
         _check_layer(layer, ctx)
     # Built first, so that a backend that cannot run (DeepEP missing) leaves the model unchanged.
     dispatchers = [make_dispatcher(dispatcher, layer.config, ctx, flex_backend) for layer in layers]
+    enable_sharded_init()  # the experts' reset_parameters() then writes into their DTensor slices
     for layer, bound in zip(layers, dispatchers):
         _shard_experts(layer, ctx)
         layer.router.reduction = _router_reduction(ctx)

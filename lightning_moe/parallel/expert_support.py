@@ -6,7 +6,7 @@ model whose MoE blocks are something else (Hugging Face ``transformers``' sparse
 ``MixtralForCausalLM``, say) would therefore train as plain data parallelism, every rank holding
 every expert, while the layout claims EP > 1: :func:`expert_parallel_support_problem` says why
 such a layout is refused. ``MoEStrategy`` raises it at setup; the ``lightning-moe`` CLI lists it
-before launching (:func:`~lightning_moe.parallel.layout_check.layout_problems`).
+before launching (:func:`~lightning_moe.parallel.layout.check.layout_problems`).
 
 The known blocks are recognised by class name, so no ``transformers`` import is needed.
 """
@@ -18,7 +18,7 @@ from collections import Counter
 from torch import nn
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.layout.dims import ParallelDims
 
 __all__ = ["HF_SPARSE_MOE_BLOCKS", "expert_parallel_support_problem", "hf_sparse_moe_blocks"]
 

@@ -12,7 +12,7 @@ over the data-parallel ranks of their own mesh (docs/architecture.md §10):
   one flattened mesh dimension ``dp_cp`` when ``cp > 1``): one unit per module a model's plan
   lists in ``fsdp_units`` (:mod:`~lightning_moe.parallel.model_plan`; the reference model's
   blocks, embedding, final norm and head, and those of a pipeline stage,
-  :class:`~lightning_moe.parallel.pipeline_split.StageModule`; modules that share a parameter,
+  :class:`~lightning_moe.parallel.pipeline.split.StageModule`; modules that share a parameter,
   such as a tied embedding and head, form one unit), one per
   :class:`~lightning_moe.layers.MoELayer` outside them, and one per
   top-level module for what is left. Tensor-parallel DTensors get FSDP's 2-D ``(dp, tp)``
@@ -46,11 +46,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import expert_hidden_dim, expert_shard, record_fsdp_sharding
 from lightning_moe.parallel.fsdp_outputs import return_no_views
 from lightning_moe.parallel.fsdp_root import claim_units, set_chain_prefetch
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import planned_modules, resolve
+from lightning_moe.parallel.sharded_init import enable_sharded_init
 from lightning_moe.parallel.user_tensor_parallel import tp_replicated_names
 
 __all__ = [
@@ -239,6 +240,7 @@ def apply_fully_shard(
     check_fully_shard(model, ctx, sharding_strategy)
     if sharding_strategy == "NO_SHARD":
         return []
+    enable_sharded_init()  # every layer's reset_parameters() then writes into its DTensor slices
     dense_mesh = dense_shard_mesh(ctx)
     divide = float(ctx.size("dp_cp"))
     kwargs = {"reshard_after_forward": sharding_strategy == "FULL_SHARD"}

@@ -27,9 +27,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import expert_shard, is_expert_param
-from lightning_moe.parallel.lightning_mesh import layout_dim_names
+from lightning_moe.parallel.layout.groups import ParallelContext
+from lightning_moe.parallel.layout.lightning_mesh import layout_dim_names
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 

@@ -78,8 +78,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.user_tensor_parallel import tp_replicated_params
 
 __all__ = ["FP32_BUCKETS_IN_FLIGHT", "GradSync", "reduce_group_name"]

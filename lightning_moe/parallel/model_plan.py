@@ -94,7 +94,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PipelineParts:
-    """How a model splits into pipeline stages (:mod:`lightning_moe.parallel.pipeline_split`).
+    """How a model splits into pipeline stages (:mod:`lightning_moe.parallel.pipeline.split`).
 
     Attributes:
         blocks: name of the attribute holding the ordered blocks (an ``nn.ModuleList``).

@@ -32,10 +32,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.context_parallel_apply import apply_context_parallel
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
 from lightning_moe.parallel.fully_shard import apply_fully_shard, check_fully_shard
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import planned_modules
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_moe.parallel.user_tensor_parallel import apply_user_tensor_parallel

@@ -39,8 +39,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.fully_shard import fully_sharded_modules, tp_partial_params
+from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = ["ShardedGradSync"]
 

@@ -1,7 +1,9 @@
 """How a layer's full initial values go into a weight that parallelism made a DTensor.
 
-Registered with :func:`lightning_moe.layers.weight_init.set_sharded_writer` when
-:mod:`lightning_moe.parallel` is imported (the layers do not use ``torch.distributed``).
+The layers do not use ``torch.distributed``, so they cannot cut a DTensor's slice themselves:
+every function of this package that turns a layer's weights into DTensors first calls
+:func:`enable_sharded_init`, which hands :func:`write_sharded` to
+:func:`lightning_moe.layers.weight_init.write_full`. Importing this package changes nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from torch import Tensor
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["local_block", "write_sharded"]
+from lightning_moe.layers.weight_init import set_sharded_writer
+
+__all__ = ["enable_sharded_init", "local_block", "write_sharded"]
 
 
 def _chunk(start: int, length: int, parts: int, index: int) -> tuple[int, int]:
@@ -98,3 +102,14 @@ def write_sharded(weight: Tensor, values: Tensor, index: int | None = None) -> N
     for dim, (start, length) in enumerate(block):
         values = values.narrow(dim, start, length)
     local.copy_(values)
+
+
+def enable_sharded_init() -> None:
+    """Let the layers write their full initial values into weights that this package made DTensors.
+
+    Called by ``apply_tensor_parallel``, ``apply_user_tensor_parallel``, ``apply_expert_parallel`` and
+    ``apply_fully_shard`` (so by ``parallelize``) before they shard anything; calling it again changes
+    nothing. A script that makes DTensors of the layers' weights by other means calls it itself
+    before ``reset_parameters()``.
+    """
+    set_sharded_writer(write_sharded)

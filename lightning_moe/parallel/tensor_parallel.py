@@ -29,8 +29,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import planned_modules
+from lightning_moe.parallel.sharded_init import enable_sharded_init
 
 __all__ = [
     "GatheredNormParallel",
@@ -158,6 +159,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     problems = tensor_parallel_problems(model, tp)
     if problems:
         raise ValueError(problems[0])
+    enable_sharded_init()  # the sharded layers' reset_parameters() then writes into their DTensor slices
     tp_mesh = ctx.dense_mesh["tp"]
     for _, module, plan in planned_modules(model):
         if plan.tensor_parallel is not None:

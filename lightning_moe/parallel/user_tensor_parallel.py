@@ -7,7 +7,7 @@ Under Lightning's ``ModelParallelStrategy`` a LightningModule shards its own den
         tp = self.device_mesh["tensor_parallel"]
         parallelize_module(self.net, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
-``MoEStrategy`` offers the same mesh names (:mod:`~lightning_moe.parallel.lightning_mesh`), and
+``MoEStrategy`` offers the same mesh names (:mod:`~lightning_moe.parallel.layout.lightning_mesh`), and
 :func:`apply_user_tensor_parallel` (run by :func:`~lightning_moe.parallel.parallelize` after the
 model's own ``configure_model``) makes the rest of the layout agree with such a model:
 
@@ -50,9 +50,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.expert_parallel import is_expert_param
-from lightning_moe.parallel.lightning_mesh import layout_dim_names
+from lightning_moe.parallel.layout.groups import ParallelContext
+from lightning_moe.parallel.layout.lightning_mesh import layout_dim_names
+from lightning_moe.parallel.sharded_init import enable_sharded_init
 
 __all__ = [
     "apply_user_tensor_parallel",
@@ -239,6 +240,7 @@ def apply_user_tensor_parallel(
     check_user_dtensors(model, ctx, planned)
     if ctx.size("tp") == 1:
         return model
+    enable_sharded_init()  # layers the user's plan sharded write their initial values into DTensor slices
     planned_names = [n for n, m in model.named_modules() if any(m is p for p in planned)]
     own_tp = any(isinstance(p, DTensor) and not _inside(n, planned_names) for n, p in model.named_parameters())
     if not (replicated_input or own_tp):

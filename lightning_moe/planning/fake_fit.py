@@ -180,7 +180,7 @@ def _routing_answers(cli, imbalance: float) -> dict[str, Any]:
         "optimizer_step.py:check": True,  # the global gradient norm is finite
         # torch's pipeline schedule votes once whether every stage's shapes are static: they are (the
         # runner gives each stage its boundary shapes).
-        "pipeline.py:_run_schedule": 1,
+        "runner.py:_run_schedule": 1,  # parallel/pipeline/runner.py
     }
 
 

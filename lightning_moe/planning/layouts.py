@@ -19,11 +19,11 @@ from types import SimpleNamespace
 
 from lightning_moe.cli_checks import sequence_multiple
 from lightning_moe.models.parallel_plan import check_tensor_parallel_sizes
-from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
-from lightning_moe.parallel.layout_check import expert_layer_problems
-from lightning_moe.parallel.pipeline import check_pipeline_options, sharded_schedule_problem
-from lightning_moe.parallel.pipeline_split import layer_split
+from lightning_moe.parallel.layout.check import expert_layer_problems
+from lightning_moe.parallel.layout.dims import ParallelDims
+from lightning_moe.parallel.pipeline.runner import check_pipeline_options, sharded_schedule_problem
+from lightning_moe.parallel.pipeline.split import layer_split
 
 __all__ = ["STRATEGY_CLASS_PATH", "Layout", "command_line", "cross_node_warnings", "valid_layouts"]
 
@@ -118,14 +118,14 @@ def valid_layouts(
 
     Kept, by the package's own checks: the layout folds (``ParallelDims``); the experts split over
     EP and, when given, ``expert_ffn_hidden_size`` over ETP, and ``fc2_bias`` only without ETP
-    (:func:`~lightning_moe.parallel.layout_check.expert_layer_problems`); under TP the heads, the
+    (:func:`~lightning_moe.parallel.layout.check.expert_layer_problems`); under TP the heads, the
     key/value heads and, when given, ``vocab_size`` and the dense ``ffn_hidden_size`` divide by TP,
     without ``tie_embeddings`` (``apply_tensor_parallel``'s check); ``seq_len`` is a multiple of
     :func:`~lightning_moe.cli_checks.sequence_multiple` (CP chunks, TP slices); under PP the
     ``num_layers`` blocks fill ``PP x virtual stages`` stages
-    (:func:`~lightning_moe.parallel.pipeline_split.layer_split`), ``batch_size`` splits into
+    (:func:`~lightning_moe.parallel.pipeline.split.layer_split`), ``batch_size`` splits into
     ``num_microbatches`` and the schedule runs on the sharding strategy
-    (:func:`~lightning_moe.parallel.pipeline.sharded_schedule_problem`); sharded experts split
+    (:func:`~lightning_moe.parallel.pipeline.runner.sharded_schedule_problem`); sharded experts split
     ``hidden_size`` (when given) evenly over EDP.
 
     Not checked (they depend on the model object, not its sizes): MoE blocks that are not

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 
 from lightning_moe.callbacks import ActivationOffload, CUDAGraphCapture, SelectiveRecompute
-from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.layout.dims import ParallelDims
 
 __all__ = [
     "MEMORY_CALLBACKS", "PlanConfigError", "PlannedLayout", "callers_state_kept", "data_shape", "is_memory_callback",

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.layout.dims import ParallelDims
 from lightning_moe.planning.fake_fit import RankStep, fake_fit_rank
 from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings

@@ -19,7 +19,7 @@ block runs. It is exact on the small layouts of the tests (`tests/planning/test_
 on DeepSeek-V3's last pipeline stage at 256 ranks (7 MoE blocks, recompute, FSDP2) it is 2.3 times
 faster and puts the peak 1.3% higher than running every block: there one and two blocks do not yet
 show the interior pattern (neighbours prefetched, recomputed in backward) of seven. The cut happens on the meta-device model, before the strategy splits and shards it, through
-the same pipeline parts (`~lightning_moe.parallel.pipeline_split.PipelineParts`) pipeline
+the same pipeline parts (`~lightning_moe.parallel.pipeline.split.PipelineParts`) pipeline
 parallelism uses: models without them run whole.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_moe.parallel.pipeline_split import layer_split, pipeline_parts_of
+from lightning_moe.parallel.pipeline.split import layer_split, pipeline_parts_of
 
 __all__ = ["BlockCut", "cut_blocks", "extrapolate"]
 

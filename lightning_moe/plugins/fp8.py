@@ -62,7 +62,8 @@ from lightning_moe.precision.te_fp8 import (
     resolve_backend,
     te_autocast,
 )
-from lightning_moe.precision.torch_fp8 import TorchFP8Recipe, convert_to_float8, require_fp8_device
+from lightning_moe.precision.torch_fp8 import TorchFP8Recipe, require_fp8_device
+from lightning_moe.precision.torch_fp8_convert import convert_to_float8
 
 __all__ = ["MoEFP8Precision"]
 

@@ -3,6 +3,7 @@
 * :mod:`~lightning_moe.precision.torch_fp8` / :mod:`~lightning_moe.precision.torch_fp8_experts`:
   PyTorch's own scaled FP8 GEMMs (``torch._scaled_mm``, ``torch._scaled_grouped_mm``), row-wise or
   tensor-wise dynamic scaling; needs nothing beyond torch (a CUDA GPU to train).
+  :mod:`~lightning_moe.precision.torch_fp8_convert` swaps a model's layers to them.
 * :mod:`~lightning_moe.precision.te_fp8`: NVIDIA Transformer Engine recipes (delayed, tensorwise,
   blockwise, MXFP8, NVFP4), imported lazily; ``ImportError`` naming ``pip install
   -e ".[te]"`` when missing. Importing this package never imports Transformer Engine.
@@ -32,12 +33,12 @@ from lightning_moe.precision.te_fp8 import (
 from lightning_moe.precision.torch_fp8 import (
     Float8Linear,
     TorchFP8Recipe,
-    convert_to_float8,
     float8_linear,
     quantize,
     require_fp8_device,
     scaled_mm_nt,
 )
+from lightning_moe.precision.torch_fp8_convert import convert_to_float8
 from lightning_moe.precision.torch_fp8_experts import Float8GroupedExperts, float8_grouped_linear
 
 __all__ = [

@@ -173,7 +173,8 @@ def convert_to_te(
     high_precision: Sequence[str] = (),
 ) -> ConversionReport:
     """Replace eligible ``nn.Linear`` s by ``te.Linear`` and switch experts to torch FP8 (module docstring)."""
-    from lightning_moe.precision.torch_fp8 import TorchFP8Recipe, convert_to_float8
+    from lightning_moe.precision.torch_fp8 import TorchFP8Recipe
+    from lightning_moe.precision.torch_fp8_convert import convert_to_float8
 
     te = import_te()
     report = ConversionReport()

@@ -21,7 +21,8 @@ CUDA rules of ``torch._scaled_mm`` are checked on every device (:func:`check_sca
 the left operand row-major, the right column-major, the contraction and output-feature sizes
 multiples of 16. The token dimension of the weight-gradient GEMM (its contraction) is zero-padded
 to a multiple of 16 when needed, so any batch shape works; layers whose features are not
-multiples of 16 are left in high precision by :func:`convert_to_float8`. On CPU ``_scaled_mm``
+multiples of 16 are left in high precision by
+:func:`~lightning_moe.precision.torch_fp8_convert.convert_to_float8`. On CPU ``_scaled_mm``
 runs too (the tests use it); training needs a CUDA GPU: rowwise scaling sm90 (Hopper) or newer,
 tensorwise sm89 (Ada) or newer (:func:`require_fp8_device`).
 
@@ -30,15 +31,13 @@ The routed experts use the grouped version in :mod:`~lightning_moe.precision.tor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_moe.layers.experts import GroupedExperts
-from lightning_moe.precision.common import TORCH_RECIPES, ConversionReport, is_dtensor, skip_reason
+from lightning_moe.precision.common import TORCH_RECIPES
 
 __all__ = [
     "E4M3",
@@ -46,7 +45,6 @@ __all__ = [
     "Float8Linear",
     "TorchFP8Recipe",
     "check_scaled_mm_operands",
-    "convert_to_float8",
     "float8_linear",
     "gemm_out_dtype",
     "quantize",
@@ -58,7 +56,8 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _FP8_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 _AMAX_EPS = 1e-12
-_GEMM_ALIGN = 16
+GEMM_ALIGN = 16
+"""The multiple of 16 that ``torch._scaled_mm`` needs of contraction and output-feature sizes."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ def check_scaled_mm_operands(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Ten
     """Raise ``ValueError`` unless ``torch._scaled_mm(a, b, scale_a, scale_b)`` meets the CUDA rules."""
     if not (_is_row_major(a) and _is_col_major(b)):
         raise ValueError(f"_scaled_mm needs a row-major and b column-major, got strides {a.stride()} / {b.stride()}.")
-    if a.shape[1] % _GEMM_ALIGN or b.shape[0] % _GEMM_ALIGN or b.shape[1] % _GEMM_ALIGN:
+    if a.shape[1] % GEMM_ALIGN or b.shape[0] % GEMM_ALIGN or b.shape[1] % GEMM_ALIGN:
         raise ValueError(f"_scaled_mm needs K and N multiples of 16, got a {tuple(a.shape)} @ b {tuple(b.shape)}.")
     if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
         raise ValueError("_scaled_mm scales must be fp32.")
@@ -168,10 +167,10 @@ def scaled_mm_nt(
     zero-padded to multiples of 16 when needed (exact: zeros add nothing).
     """
     num_out = b.shape[0]
-    pad_k = -a.shape[1] % _GEMM_ALIGN
+    pad_k = -a.shape[1] % GEMM_ALIGN
     if pad_k:
         a, b = F.pad(a, (0, pad_k)), F.pad(b, (0, pad_k))
-    pad_n = -num_out % _GEMM_ALIGN
+    pad_n = -num_out % GEMM_ALIGN
     if pad_n:
         b = F.pad(b, (0, 0, 0, pad_n))
     dim = -1 if rowwise else None
@@ -259,55 +258,3 @@ def require_fp8_device(recipe: TorchFP8Recipe) -> None:
             f"{recipe.scaling} FP8 GEMMs need compute capability >= {needed}, this GPU has {capability}"
             + ("; use recipe='tensorwise' on Ada GPUs." if recipe.rowwise and capability >= (8, 9) else ".")
         )
-
-
-def _fp8_shapes_ok(*sizes: int) -> bool:
-    return all(size % _GEMM_ALIGN == 0 for size in sizes)
-
-
-def convert_to_float8(
-    model: nn.Module,
-    recipe: TorchFP8Recipe,
-    skip: Sequence[str] = ("*lm_head",),
-    high_precision: Sequence[str] = (),
-    linears: bool = True,
-) -> ConversionReport:
-    """Switch every eligible ``nn.Linear`` (with ``linears``) and ``GroupedExperts`` of ``model`` to FP8, in place.
-
-    Class swaps (:class:`Float8Linear`, :class:`~lightning_moe.precision.torch_fp8_experts.
-    Float8GroupedExperts`) keep parameters, state-dict keys, expert-shard tags and hooks. Left in
-    high precision: modules under ``high_precision`` prefixes (first/last layers), names matching
-    ``skip`` patterns, layers whose features are not multiples of 16, and routers (not
-    ``nn.Linear``; they keep their fp32 weights and ``router_dtype``). Tensor-parallel (DTensor)
-    weights raise ``ValueError``.
-    """
-    from lightning_moe.precision.torch_fp8_experts import Float8GroupedExperts
-
-    report = ConversionReport()
-    kinds = (nn.Linear, GroupedExperts) if linears else (GroupedExperts,)
-    for name, module in model.named_modules():
-        if not isinstance(module, kinds) or isinstance(module, (Float8Linear, Float8GroupedExperts)):
-            continue
-        reason = skip_reason(name, high_precision, skip)
-        if reason is not None:
-            report.skipped[name] = reason
-            continue
-        if any(is_dtensor(p) for p in module.parameters(recurse=False)):
-            raise ValueError(
-                f"{name}: tensor-parallel (DTensor) weights are not supported by the torch FP8 backend; use "
-                "tensor_parallel_size=1 or backend='te'."
-            )
-        if isinstance(module, nn.Linear):
-            if not _fp8_shapes_ok(module.in_features, module.out_features):
-                report.skipped[name] = f"features {module.in_features}->{module.out_features} not multiples of 16"
-                continue
-            module.__class__ = Float8Linear
-        else:
-            fc1_rows = module.fc1_weight.shape[1]
-            if not _fp8_shapes_ok(module.hidden_size, module.ffn_hidden_size, fc1_rows):
-                report.skipped[name] = f"hidden {module.hidden_size} / ffn {module.ffn_hidden_size} not multiples of 16"
-                continue
-            module.__class__ = Float8GroupedExperts
-        module.fp8_recipe = recipe
-        report.converted.append(name)
-    return report

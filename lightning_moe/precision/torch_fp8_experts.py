@@ -187,7 +187,7 @@ def float8_grouped_linear(x: Tensor, weight: Tensor, counts: list[int], recipe: 
 class Float8GroupedExperts(GroupedExperts):
     """``GroupedExperts`` whose fc1 and fc2 GEMMs run in FP8 (same parameters and state dict).
 
-    Made by :func:`~lightning_moe.precision.torch_fp8.convert_to_float8` (class swap);
+    Made by :func:`~lightning_moe.precision.torch_fp8_convert.convert_to_float8` (class swap);
     ``fp8_recipe`` holds the recipe, ``fp8_impl`` the grouped GEMM implementation (``auto``).
     Probabilities multiply the activation output before fc2, as in every expert kernel.
     """

@@ -8,10 +8,10 @@ Sharded (default): a directory in Lightning's sharded layout, so ``ModelCheckpoi
   (per-parameter state keyed by parameter name);
 * ``meta.pt`` (rank 0): everything else Lightning saves (loops, callbacks, hyperparameters), and
   under ``"lightning_moe"`` the optimizers' param groups, the saving layout, the save id and the
-  size and SHA-256 of every file of the save (:mod:`lightning_moe.parallel.checkpoint_integrity`);
+  size and SHA-256 of every file of the save (:mod:`lightning_moe.checkpoint.integrity`);
 * ``meta.pt.json`` (rank 0): the size and SHA-256 of ``meta.pt`` itself.
 
-Saves are atomic (:mod:`lightning_moe.parallel.checkpoint_files`): each is written into a hidden
+Saves are atomic (:mod:`lightning_moe.checkpoint.files`): each is written into a hidden
 sibling folder and renamed into place by rank 0 once every rank finished, so a crash leaves the
 previous complete checkpoint (or the new complete one), never a mix, and a reused name keeps no
 shards of an earlier layout.
@@ -28,12 +28,12 @@ another. Path entries of the restored ``ModelCheckpoint`` states that point outs
 are dropped, and :meth:`MoECheckpointing.remove` deletes nothing outside the callbacks' folders
 (:mod:`lightning_moe.strategies.checkpoint_paths`). ``meta.pt`` is read
 with ``weights_only=True`` and DCP's files through
-:func:`~lightning_moe.parallel.checkpoint.load_sharded`: nothing in a checkpoint can run code.
+:func:`~lightning_moe.checkpoint.sharded.load_sharded`: nothing in a checkpoint can run code.
 
 With ``save_distributed_checkpoint=False`` rank 0 writes one ``torch.save`` file of global tensors
 (model weights only; optimizer states are not consolidated), e.g. for inference; it is replaced
 atomically too. The tensors reach rank 0 one at a time and are written as they arrive
-(:mod:`lightning_moe.parallel.consolidated`): rank 0 holds one full tensor and one received piece
+(:mod:`lightning_moe.checkpoint.consolidated`): rank 0 holds one full tensor and one received piece
 at most, the other ranks nothing beyond their shards. Loading it, every rank maps the file
 (``torch.load(mmap=True)``) and copies its own slices from the mapping, so no rank reads the
 whole model into its memory.
@@ -57,16 +57,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from lightning_moe.parallel.checkpoint import (
-    distribute_full_tensors,
-    init_optimizer_state,
-    load_optimizer_state_dict,
-    load_sharded,
-    optimizer_param_groups,
-    optimizer_state_dict,
-)
-from lightning_moe.parallel.checkpoint_entries import check_entries, expected_entries
-from lightning_moe.parallel.checkpoint_files import (
+from lightning_moe.checkpoint.consolidated import write_consolidated
+from lightning_moe.checkpoint.entries import check_entries, expected_entries
+from lightning_moe.checkpoint.files import (
     describe_write_error,
     find_os_error,
     interrupted_replacement,
@@ -78,7 +71,7 @@ from lightning_moe.parallel.checkpoint_files import (
     replace,
     write_bytes_file,
 )
-from lightning_moe.parallel.checkpoint_integrity import (
+from lightning_moe.checkpoint.integrity import (
     DCP_METADATA,
     LAYOUT_KEY,
     META_DIGEST_FILE,
@@ -91,9 +84,16 @@ from lightning_moe.parallel.checkpoint_integrity import (
     record_files,
     verify_digests,
 )
-from lightning_moe.parallel.checkpoint_legacy import adopt_legacy_fc1
-from lightning_moe.parallel.checkpoint_security import load_torch_file, read_sharded_metadata
-from lightning_moe.parallel.consolidated import write_consolidated
+from lightning_moe.checkpoint.legacy import adopt_legacy_fc1
+from lightning_moe.checkpoint.security import load_torch_file, read_sharded_metadata
+from lightning_moe.checkpoint.sharded import (
+    distribute_full_tensors,
+    init_optimizer_state,
+    load_optimizer_state_dict,
+    load_sharded,
+    optimizer_param_groups,
+    optimizer_state_dict,
+)
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
 from lightning_moe.strategies.checkpoint_paths import checkpoint_dirpaths, drop_outside_paths
 
@@ -287,7 +287,7 @@ class MoECheckpointing:
 
         ``dirpaths``: the checkpoint callbacks' folders (by default those of the strategy's
         trainer). A path outside them, or a folder holding files a save does not write, is left
-        in place with a warning (see :func:`~lightning_moe.parallel.checkpoint_files.removal_refusal`).
+        in place with a warning (see :func:`~lightning_moe.checkpoint.files.removal_refusal`).
         """
         if dirpaths is None and self.strategy is not None:
             dirpaths = checkpoint_dirpaths(self.strategy)

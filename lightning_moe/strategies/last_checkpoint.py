@@ -3,7 +3,7 @@
 Lightning resolves ``"last"`` to the newest ``last*.ckpt`` in each ``ModelCheckpoint``'s folder
 (``ModelCheckpoint._find_last_checkpoints``). When the first save of ``last.ckpt`` was cut (a
 crash, a full disk), only the hidden partial sibling of that save exists
-(:mod:`lightning_moe.parallel.checkpoint_files`), Lightning finds nothing, warns, and training
+(:mod:`lightning_moe.checkpoint.files`), Lightning finds nothing, warns, and training
 restarts from step 0 beside complete top-k checkpoints; the restarted run then saves the same
 names again, as ``-v1`` duplicates.
 
@@ -23,7 +23,7 @@ from typing import Any
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_moe.parallel.checkpoint_integrity import META_FILE
+from lightning_moe.checkpoint.integrity import META_FILE
 
 __all__ = ["complete_checkpoints", "install"]
 

@@ -16,7 +16,7 @@ process) stays forever, holding its GPU. :class:`MoESubprocessLauncher` keeps th
   message names the ranks that were stopped and those that had to be killed. When rank 0 failed,
   a small reaper process does that once rank 0 has exited: a rank waiting on rank 0 only sees the
   failure when rank 0's connections close, and then reports its own error (e.g. which pipeline
-  stage it lost, :mod:`lightning_moe.parallel.stage_failure`) instead of being killed silently;
+  stage it lost, :mod:`lightning_moe.parallel.pipeline.stage_failure`) instead of being killed silently;
 * when a child failed and rank 0 does not stop by itself within ``grace_s`` after the others were
   ended (it may wait in a collective that never completes), rank 0 exits with status 1.
 

@@ -1,7 +1,7 @@
 """A checkpoint load that runs out of memory says which checkpoint asked for it.
 
 The loaders check what they can before allocating (declared sizes against the files, see
-:mod:`lightning_moe.parallel.checkpoint_security`), but an allocation can still fail: a checkpoint
+:mod:`lightning_moe.checkpoint.security`), but an allocation can still fail: a checkpoint
 whose sizes fit the files but not this machine, or a rank with too little memory for the model
 and its optimizer states. The allocator's own message ("DefaultCPUAllocator: not enough memory:
 you tried to allocate 85899345920 bytes", "CUDA out of memory") names no file;

@@ -18,10 +18,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.context_parallel_apply import context_parallel_problem
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
-from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_parallel import is_expert_param
 from lightning_moe.parallel.expert_support import expert_parallel_support_problem
 from lightning_moe.parallel.fully_shard import (
@@ -30,6 +28,8 @@ from lightning_moe.parallel.fully_shard import (
     record_tp_partial_params,
     tp_partial_params,
 )
+from lightning_moe.parallel.layout.dims import ParallelDims
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.user_tensor_parallel import broadcast_dtensor_replicas
 

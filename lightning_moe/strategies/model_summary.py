@@ -53,7 +53,7 @@ class GlobalModelSummary(ModelSummary):
     Args:
         model: the LightningModule.
         max_depth: as Lightning's.
-        pipeline: the strategy's :class:`~lightning_moe.parallel.pipeline.PipelineRunner` under
+        pipeline: the strategy's :class:`~lightning_moe.parallel.pipeline.runner.PipelineRunner` under
             pipeline parallelism (its ``pp`` group sums the stages' counts: build the summary on
             every rank of it), else None.
     """

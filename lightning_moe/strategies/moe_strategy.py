@@ -38,7 +38,7 @@ from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.grad_sync import GradSync
-from lightning_moe.parallel.lightning_mesh import lightning_device_mesh
+from lightning_moe.parallel.layout.lightning_mesh import lightning_device_mesh
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpoint_methods import CheckpointMethods
 from lightning_moe.strategies.checkpointing import MoECheckpointing

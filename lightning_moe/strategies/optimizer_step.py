@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.grad_norm import clip_grad_norm_, global_grad_norm
+from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = ["NONFINITE_POLICIES", "GradientGuard", "NonFiniteGradientsError", "patch_gradient_clipping"]
 

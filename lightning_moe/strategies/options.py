@@ -18,7 +18,7 @@ def check_strategy_options(
 ) -> None:
     """Raise ``ValueError`` for an option `MoEStrategy` cannot honour (yet), saying what to use instead.
 
-    The pipeline options are checked by :func:`~lightning_moe.parallel.pipeline.check_pipeline_options`.
+    The pipeline options are checked by :func:`~lightning_moe.parallel.pipeline.runner.check_pipeline_options`.
     """
     if pipeline_parallel_size < 1:
         raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size}: needs at least 1 stage.")

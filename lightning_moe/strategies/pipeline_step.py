@@ -4,7 +4,7 @@ Lightning has no pipeline parallelism; as NeMo 2 did with Megatron's schedules, 
 over the optimisation step's forward and backward:
 
 * at setup the network is split into stages and trimmed to this rank's
-  (:class:`~lightning_moe.parallel.pipeline.PipelineRunner`) inside the model preparation,
+  (:class:`~lightning_moe.parallel.pipeline.runner.PipelineRunner`) inside the model preparation,
   after the tensor and expert layout and before FSDP2 sharding (:meth:`PipelineDriver.prepare`
   gives ``prepare_model_once`` the hook), so only this rank's stages are sharded, over their own
   ``dp`` / ``edp`` groups (the meshes are per pipeline stage); Lightning's own backward and
@@ -29,7 +29,7 @@ optionally ``pipeline_num_targets(targets) -> Tensor`` (the number of targets a 
 target of the whole batch, as at PP=1, however the kept targets fall into micro-batches (without
 it each micro-batch counts ``1 / num_microbatches``, as in gradient accumulation); the network to split is its one child that declares its pipeline parts: ``parallel_plan()`` with a
 ``pipeline`` (:mod:`lightning_moe.parallel.model_plan`; :class:`~lightning_moe.models.MoETransformer`
-does) or ``pipeline_parts()`` (:mod:`lightning_moe.parallel.pipeline_split`).
+does) or ``pipeline_parts()`` (:mod:`lightning_moe.parallel.pipeline.split`).
 
 Optionally it defines ``pipeline_validation_step(losses, targets, batch_idx)``, called on every
 rank in place of its ``validation_step`` (which needs the whole network) after the forward-only
@@ -37,7 +37,7 @@ schedule of a validation batch: ``losses`` is an fp32 ``[M]`` tensor on the devi
 ``pipeline_loss`` of micro-batch ``m``, identical on every rank (broadcast from the last stage);
 ``targets`` is the batch's whole targets, of which micro-batch ``m`` holds the ``m``-th of ``M``
 equal slices along dimension 0 (under context parallelism: this CP rank's chunks of them, and
-``losses`` the whole sequences' means, see :class:`~lightning_moe.parallel.pipeline.PipelineRunner`).
+``losses`` the whole sequences' means, see :class:`~lightning_moe.parallel.pipeline.runner.PipelineRunner`).
 The hook logs what the module wants (with ``self.log``; it can
 count each micro-batch's targets on the device, without a host read, and weigh its loss by them,
 as :meth:`~lightning_moe.lit.MoELanguageModel.pipeline_validation_step` does for a ``val_loss``
@@ -58,7 +58,11 @@ from torch import Tensor, nn
 
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.model_plan import plan_of
-from lightning_moe.parallel.pipeline import PipelineRunner, check_pipeline_options, sharded_schedule_problem
+from lightning_moe.parallel.pipeline.runner import (
+    PipelineRunner,
+    check_pipeline_options,
+    sharded_schedule_problem,
+)
 
 __all__ = ["PipelineDriver", "pipeline_refusal"]
 
@@ -70,7 +74,7 @@ def _network(module: nn.Module) -> nn.Module:
             f"pipeline_parallel_size > 1 splits the LightningModule's network into stages, but "
             f"{type(module).__name__} has {len(found)} children that declare pipeline parts (parallel_plan() "
             "with a pipeline, as MoETransformer, or pipeline_parts(); it needs exactly one; see "
-            "lightning_moe.parallel.pipeline_split)."
+            "lightning_moe.parallel.pipeline.split)."
         )
     return found[0]
 

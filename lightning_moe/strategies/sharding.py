@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.plugins.fp8 import MoEFP8Precision
 

@@ -24,8 +24,8 @@ from torch import nn
 
 from lightning_moe.layers.loss_scale import LossGradScale
 from lightning_moe.parallel.batch_agreement import BatchAgreement, check_same_batch
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.grad_scaler import agree_on_overflow
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.strategies.optimizer_step import GradientGuard
 
 __all__ = ["StepSafeguards"]

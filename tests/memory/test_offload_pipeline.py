@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from memory.test_offload import GRAD_TOL, OUT_TOL, tokens, transformer
 
 from lightning_moe.memory import OFFLOAD_MODULES, apply_activation_offload
-from lightning_moe.parallel.pipeline_split import StageModule, pipeline_parts_of
+from lightning_moe.parallel.pipeline.split import StageModule, pipeline_parts_of
 
 M, BLOCKS_PER_STAGE = 4, 2
 

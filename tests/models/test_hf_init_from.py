@@ -108,7 +108,7 @@ def _fit(rank: int, world_size: int, path: str, layout, sharding: str, checkpoin
 def test_first_step_loss_equals_transformers_at_scale(hf_dir, layout, sharding, tmp_path):
     import transformers
 
-    from lightning_moe.parallel.checkpoint_export_hf import export_hf
+    from lightning_moe.checkpoint.export_hf import export_hf
 
     path, hf_model = hf_dir
     checkpoint = tmp_path / "trained.ckpt"

@@ -20,18 +20,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe import MoEConfig
-from lightning_moe.layers.moe import MoELayer
-from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
-from lightning_moe.parallel.checkpoint import (
+from lightning_moe.checkpoint.entries import check_entries, expected_entries
+from lightning_moe.checkpoint.legacy import adopt_legacy_fc1
+from lightning_moe.checkpoint.security import read_dcp_metadata
+from lightning_moe.checkpoint.sharded import (
     distribute_full_tensors,
     init_optimizer_state,
     load_optimizer_state_dict,
     load_sharded,
     optimizer_state_dict,
 )
-from lightning_moe.parallel.checkpoint_entries import check_entries, expected_entries
-from lightning_moe.parallel.checkpoint_legacy import adopt_legacy_fc1
-from lightning_moe.parallel.checkpoint_security import read_dcp_metadata
+from lightning_moe.layers.moe import MoELayer
+from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
 
 H, F, E, TOP_K = 16, 8, 4, 2

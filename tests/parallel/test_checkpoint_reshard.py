@@ -12,7 +12,7 @@ expert tensors are DTensors on ``ctx.expert_mesh`` sharded over EP (and ETP), ev
 plain tensors (replicated; DCP writes one copy).
 
 Load, on every rank of a model parallelized at any layout (same or different EP / ETP), with
-``lightning_moe.parallel.checkpoint.load_sharded`` (``dcp.load`` with the reader and planner that
+``lightning_moe.checkpoint.sharded.load_sharded`` (``dcp.load`` with the reader and planner that
 refuse code in a checkpoint; what `MoEStrategy` loads with too)::
 
     state = model.state_dict()                 # DTensors of *this* layout, global shapes
@@ -59,9 +59,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_moe import MoEConfig
+from lightning_moe.checkpoint.sharded import SafeFileSystemReader, load_sharded
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.parallel import ParallelDims, build_parallel_context, is_expert_param, parallelize
-from lightning_moe.parallel.checkpoint import SafeFileSystemReader, load_sharded
 
 pytestmark = pytest.mark.distributed
 

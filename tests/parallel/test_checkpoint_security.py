@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from strategies.checkpoint_runs import MakeDir, redeclare_as_bytes_item
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_moe.parallel.checkpoint import SafeFileSystemReader, load_sharded
+from lightning_moe.checkpoint.sharded import SafeFileSystemReader, load_sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -28,12 +28,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_moe import MoEConfig
+from lightning_moe.checkpoint.consolidated import gather_full, write_consolidated
+from lightning_moe.checkpoint.security import load_torch_file
+from lightning_moe.checkpoint.sharded import distribute_full_tensors
+from lightning_moe.checkpoint.torch_file_stream import TorchFileStream
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
-from lightning_moe.parallel.checkpoint import distribute_full_tensors
-from lightning_moe.parallel.checkpoint_security import load_torch_file
-from lightning_moe.parallel.consolidated import gather_full, write_consolidated
-from lightning_moe.parallel.torch_file_stream import TorchFileStream
 
 BOOKKEEPING_BYTES = 1024
 """Index tensors of the mesh's size that DTensor's layout arithmetic creates (tens of bytes each)."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_moe.parallel.consolidated import gather_full
+from lightning_moe.checkpoint.consolidated import gather_full
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,8 @@ from helpers.dist import run_distributed
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_moe.parallel import GROUP_NAMES, ParallelDims, build_parallel_context
-from lightning_moe.parallel.context import UNBUILT_GROUPS
-from lightning_moe.parallel.dims import TP_PP_DP_ORDER
+from lightning_moe.parallel.layout.dims import TP_PP_DP_ORDER
+from lightning_moe.parallel.layout.groups import UNBUILT_GROUPS
 
 BUILT = [name for name in GROUP_NAMES if name not in UNBUILT_GROUPS]
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from lightning_moe.parallel import GROUP_NAMES, ParallelDims
-from lightning_moe.parallel.dims import AXES, DEFAULT_ORDER, TP_PP_DP_ORDER
+from lightning_moe.parallel.layout.dims import AXES, DEFAULT_ORDER, TP_PP_DP_ORDER
 
 
 def singletons(world: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_moe.cli import check_layout_before_launch
 from lightning_moe.parallel import ParallelDims
 from lightning_moe.parallel.expert_support import HF_SPARSE_MOE_BLOCKS, expert_parallel_support_problem
-from lightning_moe.parallel.layout_check import LayoutError
+from lightning_moe.parallel.layout.check import LayoutError
 from lightning_moe.strategies import MoEStrategy
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")

@@ -21,11 +21,11 @@ from helpers.hf import tiny_models
 from strategies.toy import quiet_trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_moe.checkpoint.export_hf import export_hf
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models.hf import pretrained_config
 from lightning_moe.models.hf.io import read_config
 from lightning_moe.models.hf.source import exported_config
-from lightning_moe.parallel.checkpoint_export_hf import export_hf
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 pytest.importorskip("safetensors", reason="the hf and test extras install safetensors")

@@ -26,10 +26,10 @@ import torch.distributed.checkpoint as dcp
 from helpers.memory import HeldBytes
 
 from lightning_moe import MoEConfig
+from lightning_moe.checkpoint.export import export_checkpoint
+from lightning_moe.checkpoint.export_hf import MODEL_CONFIG_KEY, export_hf, model_record
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.models import MoETransformer, MoETransformerConfig
-from lightning_moe.parallel.checkpoint_export import export_checkpoint
-from lightning_moe.parallel.checkpoint_export_hf import MODEL_CONFIG_KEY, export_hf, model_record
 
 pytest.importorskip("safetensors", reason="the hf and test extras install safetensors")
 

@@ -43,7 +43,7 @@ def hf_dir(request, tmp_path_factory):
 
 
 def _load(rank: int, world_size: int, path: str, layout: tuple[int, int, int], sharding: str, tokens) -> dict:
-    from lightning_moe.parallel.hf_load import load_hf_weights
+    from lightning_moe.checkpoint.hf_load import load_hf_weights
 
     tp, ep, etp = layout
     ctx = build_parallel_context(ParallelDims(world_size, tp=tp, ep=ep, etp=etp), "cpu")
@@ -81,7 +81,7 @@ def test_each_rank_loads_its_slices(hf_dir, layout, sharding, tmp_path):
 
 
 def test_refuses_a_model_of_another_architecture(hf_dir, tmp_path):
-    from lightning_moe.parallel.hf_load import load_hf_weights
+    from lightning_moe.checkpoint.hf_load import load_hf_weights
 
     path, _, _ = hf_dir
     config = MoETransformer.from_pretrained(path).config
@@ -91,7 +91,7 @@ def test_refuses_a_model_of_another_architecture(hf_dir, tmp_path):
 
 
 def test_refuses_a_meta_model(hf_dir):
-    from lightning_moe.parallel.hf_load import load_hf_weights
+    from lightning_moe.checkpoint.hf_load import load_hf_weights
 
     path, _, _ = hf_dir
     with torch.device("meta"):

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lightning_moe import MoEConfig, MoELayer
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
-from lightning_moe.parallel.lightning_mesh import lightning_device_mesh
+from lightning_moe.parallel.layout.lightning_mesh import lightning_device_mesh
 from lightning_moe.parallel.user_tensor_parallel import apply_user_tensor_parallel
 
 pytestmark = pytest.mark.distributed

@@ -22,8 +22,8 @@ from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context
 from lightning_moe.parallel.grad_sync import GradSync
-from lightning_moe.parallel.pipeline import PIPELINE_SCHEDULES, PipelineRunner, check_pipeline_options
-from lightning_moe.parallel.pipeline_split import layer_split, pipeline_parts_of, stage_indices
+from lightning_moe.parallel.pipeline.runner import PIPELINE_SCHEDULES, PipelineRunner, check_pipeline_options
+from lightning_moe.parallel.pipeline.split import layer_split, pipeline_parts_of, stage_indices
 
 M = 4
 BATCH, SEQ = 8, 8

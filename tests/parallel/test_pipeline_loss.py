@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_moe.models.transformer import next_token_loss
-from lightning_moe.parallel.pipeline_loss import TargetWeightedLoss
+from lightning_moe.parallel.pipeline.loss import TargetWeightedLoss
 
 IGNORE, M, V = -100, 4, 16
 

@@ -24,7 +24,7 @@ from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context
 from lightning_moe.parallel.grad_sync import GradSync
-from lightning_moe.parallel.pipeline import SCHEDULES_KEPT, PipelineRunner
+from lightning_moe.parallel.pipeline.runner import SCHEDULES_KEPT, PipelineRunner
 
 M, SEQ = 2, 4
 SIZES = [4, 2, 6, 8, 4, 10]  # batch sizes, each a multiple of M

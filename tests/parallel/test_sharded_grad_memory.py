@@ -43,7 +43,7 @@ from lightning_moe.models import MoETransformer
 from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.grad_sync import GradSync
-from lightning_moe.parallel.pipeline import PipelineRunner
+from lightning_moe.parallel.pipeline.runner import PipelineRunner
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.model_setup import prepare_model
 

@@ -22,7 +22,7 @@ from lightning_moe import MoEConfig
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.grad_sync import GradSync
-from lightning_moe.parallel.layout_check import LayoutError, check_model_layout
+from lightning_moe.parallel.layout.check import LayoutError, check_model_layout
 from lightning_moe.parallel.vocab_parallel_loss import VocabParallelLogits, vocab_parallel_cross_entropy
 
 pytestmark = pytest.mark.distributed

@@ -20,7 +20,7 @@ def _c(kind, ranks, site="", module=None, nbytes=8):
 
 @pytest.mark.parametrize(("collective", "fsdp", "kind"), [
     (_c("send", GROUPS["cp"], site="ring_attention.py", module="layers.0"), False, "context_parallel"),
-    (_c("recv", (0, 8), site="pipeline.py"), False, "pipeline"),
+    (_c("recv", (0, 8), site="runner.py"), False, "pipeline"),
     (_c("all_to_all", (0, 1, 2, 3), site="collectives.py", module="layers.3"), False, "token_dispatch"),
     (_c("all_gather", (0, 1), site="collectives.py", module="layers.1"), False, "token_dispatch"),  # ETP gather
     (_c("all_reduce", GROUPS["dp_cp"], site="grad_sync.py"), False, "gradient_reduction"),
@@ -36,7 +36,7 @@ def test_each_collective_has_its_kind(collective, fsdp, kind):
 
 def test_bytes_are_summed_per_kind_and_every_kind_is_reported():
     steps = [_c("all_to_all", (0, 1, 2, 3), nbytes=100), _c("all_to_all", (0, 1, 2, 3), nbytes=50),
-             _c("recv", (0, 8), site="pipeline.py", nbytes=7)]
+             _c("recv", (0, 8), site="runner.py", nbytes=7)]
     totals = communication_bytes(steps, DIMS, RANK, "NO_SHARD")
     assert set(totals) == set(COMMUNICATION_KINDS)
     assert totals["token_dispatch"] == 150 and totals["pipeline"] == 7 and sum(totals.values()) == 157

@@ -16,7 +16,7 @@ import pytest
 from helpers.step_memory import TINY_LAYOUTS
 from torch import nn
 
-from lightning_moe.parallel.pipeline_split import PipelineParts
+from lightning_moe.parallel.pipeline.split import PipelineParts
 from lightning_moe.planning import plan
 from lightning_moe.planning.repeated_blocks import BlockCut, _cheapest_cut, cut_blocks
 

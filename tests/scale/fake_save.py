@@ -3,7 +3,7 @@
 `measure_checkpoint_save` does what ``MoEStrategy`` does for a sharded checkpoint
 (``strategies/checkpointing.py``): the model's ``state_dict()`` (global keys, expert tensors as
 global-shape DTensors), the optimizer's per-parameter state keyed by name with the experts'
-moments as global DTensors (``parallel.checkpoint.optimizer_state_dict``), and
+moments as global DTensors (``checkpoint.sharded.optimizer_state_dict``), and
 ``torch.distributed.checkpoint.save`` of both. The storage writer writes nothing: it resolves
 every item as ``FileSystemWriter`` does (``planner.resolve_data``, the tensor it would copy to the
 host and write) and adds up its bytes. DCP runs with ``no_dist=True``: on the fake backend its
@@ -21,9 +21,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from lightning_moe.parallel.checkpoint import optimizer_state_dict
-from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.checkpoint.sharded import optimizer_state_dict
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.planning.step_probe import StepProbe, StepRecord
 
 __all__ = ["ResolvingWriter", "measure_checkpoint_save"]

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
-from lightning_moe.parallel.pipeline import PipelineRunner
+from lightning_moe.parallel.pipeline.runner import PipelineRunner
 from lightning_moe.planning.fake_world import fake_rank
 from lightning_moe.strategies.model_setup import shard_split_model
 

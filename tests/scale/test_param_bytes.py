@@ -19,7 +19,7 @@ from scale.formula import global_parameters, local_parameters, training_state_by
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_moe.parallel import ParallelDims
-from lightning_moe.parallel.pipeline import PipelineRunner
+from lightning_moe.parallel.pipeline.runner import PipelineRunner
 from lightning_moe.planning.fake_world import fake_rank
 
 # (preset, layout): what a user would pick for each model at its scale.

@@ -16,8 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from lightning_moe.parallel import ParallelDims, build_parallel_context
-from lightning_moe.parallel.context import CRITICAL_PATH_GROUPS
-from lightning_moe.parallel.dims import GROUP_NAMES
+from lightning_moe.parallel.layout.dims import GROUP_NAMES
+from lightning_moe.parallel.layout.groups import CRITICAL_PATH_GROUPS
 from lightning_moe.planning.fake_world import fake_rank
 
 # Mixtral 8x7B and Qwen3-30B-A3B layouts of test_param_bytes.py.

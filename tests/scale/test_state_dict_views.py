@@ -17,9 +17,9 @@ from scale.dispatch_audit import DispatchAudit, storage_key
 from scale.fake_world import sharded_preset
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.checkpoint.sharded import optimizer_state_dict
 from lightning_moe.models import MoETransformer
 from lightning_moe.parallel import ParallelDims
-from lightning_moe.parallel.checkpoint import optimizer_state_dict
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
 from lightning_moe.planning.fake_world import fake_rank
 

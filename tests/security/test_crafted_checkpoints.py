@@ -27,9 +27,9 @@ from security.crafting import read_meta, read_metadata, snapshot, write_meta, wr
 from strategies.checkpoint_runs import fit
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from lightning_moe.parallel.checkpoint_export import export_checkpoint
-from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
-from lightning_moe.parallel.checkpoint_security import read_dcp_metadata
+from lightning_moe.checkpoint.export import export_checkpoint
+from lightning_moe.checkpoint.integrity import CheckpointIntegrityError
+from lightning_moe.checkpoint.security import read_dcp_metadata
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

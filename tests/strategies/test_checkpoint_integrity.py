@@ -34,7 +34,7 @@ from strategies.checkpoint_runs import (
     redeclare_as_bytes_item,
 )
 
-from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
+from lightning_moe.checkpoint.integrity import CheckpointIntegrityError
 from lightning_moe.strategies import MoEStrategy
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 

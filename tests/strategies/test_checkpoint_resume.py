@@ -42,7 +42,7 @@ from strategies.toy import (
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.parallel.checkpoint import SafeFileSystemReader
+from lightning_moe.checkpoint.sharded import SafeFileSystemReader
 from lightning_moe.strategies import MoEStrategy
 
 pytestmark = pytest.mark.distributed
@@ -244,7 +244,7 @@ def test_safe_reader_reads_metadata_that_dcp_writes(tmp_path, checkpoint_id):
 
     ``FileSystemWriter`` stores ``StorageMeta(checkpoint_id=PosixPath(...))`` in ``.metadata``
     (it converts even a ``str`` id to a ``Path``); the allowlist (now ``_ALLOWED_GLOBALS`` of
-    ``lightning_moe/parallel/checkpoint_security.py``) had no ``pathlib`` entry, so
+    ``lightning_moe/checkpoint/security.py``) had no ``pathlib`` entry, so
     ``read_metadata`` raised "Refusing to load pathlib.PosixPath" and every
     ``trainer.fit(ckpt_path=...)`` with `MoEStrategy` failed (all resume tests above).
     """

@@ -66,7 +66,7 @@ def test_pipeline_errors_name_the_batch_and_the_failing_stage(tmp_path):
 
 def test_a_lost_exchange_without_a_report_names_the_pipeline_peers():
     """A peer killed without a word (no store line): the rank says its exchange broke and whom to look at."""
-    from lightning_moe.parallel.stage_failure import PipelineStageError, describe_peer_failure
+    from lightning_moe.parallel.pipeline.stage_failure import PipelineStageError, describe_peer_failure
 
     lost = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:3508")
     error = describe_peer_failure(lost, stages=[1], rank=1, peers=[0], wait_s=0.0)

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from lightning_moe.callbacks import ActivationOffload, LoadBalanceMonitor, SelectiveRecompute
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.memory import OFFLOAD_MODULES
-from lightning_moe.parallel.pipeline_split import layer_split
+from lightning_moe.parallel.pipeline.split import layer_split
 from lightning_moe.strategies import MoEStrategy
 
 pytestmark = pytest.mark.distributed

@@ -31,7 +31,7 @@ from lightning_moe.lit import MoELanguageModel
 from lightning_moe.metrics import global_layer_rows, moe_layers
 from lightning_moe.metrics.layer_rows import module_position
 from lightning_moe.models import MoETransformer
-from lightning_moe.parallel.pipeline_split import pipeline_parts_of, trim_to_stages
+from lightning_moe.parallel.pipeline.split import pipeline_parts_of, trim_to_stages
 from lightning_moe.strategies import MoEStrategy
 
 pytestmark = pytest.mark.distributed

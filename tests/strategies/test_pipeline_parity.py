@@ -28,7 +28,7 @@ from lightning_moe import MoEConfig
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.lit.module import IGNORE_INDEX
 from lightning_moe.models import MoETransformerConfig
-from lightning_moe.parallel.pipeline import PIPELINE_SCHEDULES
+from lightning_moe.parallel.pipeline.runner import PIPELINE_SCHEDULES
 from lightning_moe.strategies import MoEStrategy
 
 pytestmark = pytest.mark.distributed

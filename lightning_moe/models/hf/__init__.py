@@ -71,9 +71,12 @@ def _materialise_buffers(model: nn.Module) -> None:
 
 
 def load_pretrained(
-    path: str | os.PathLike, dtype: torch.dtype | None = None, model_class: type | None = None, **overrides
+    path: str | os.PathLike, dtype: torch.dtype | None = None, *, model_class: type[nn.Module], **overrides
 ) -> nn.Module:
-    """The model of the Hugging Face directory ``path`` with its weights, on the CPU.
+    """The ``model_class`` model of the Hugging Face directory ``path`` with its weights, on the CPU.
+
+    ``model_class`` is built from the mapped :class:`MoETransformerConfig`
+    (``MoETransformer.from_pretrained`` passes its own class, so this package never imports the model).
 
     The model is built on the meta device and every parameter is then the tensor read from the
     files (no random initialisation, no second copy), in the file's dtype unless ``dtype`` casts
@@ -82,8 +85,6 @@ def load_pretrained(
     are kept on the model (``hf_family``, ``hf_extra_config``, and the whole ``config.json`` as
     ``hf_source_config``) for :func:`save_pretrained`.
     """
-    if model_class is None:
-        from lightning_moe.models.transformer import MoETransformer as model_class
     raw = read_config(path)
     config, family = pretrained_config(path, **overrides)
     with torch.device("meta"):

@@ -8,11 +8,11 @@ PyTorch, or DeepEP's fused kernels on CUDA where ``deep_ep`` is installed.
 from __future__ import annotations
 
 from lightning_moe.layers.config import MoEConfig
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers.allgather import AllGatherDispatcher
 from lightning_moe.parallel.dispatchers.alltoall import AllToAllDispatcher
 from lightning_moe.parallel.dispatchers.flex import FLEX_BACKENDS, FlexDispatcher, make_flex_dispatcher
 from lightning_moe.parallel.dispatchers.stats import DispatchStats
+from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = [
     "DISPATCHERS", "FLEX_BACKENDS", "AllGatherDispatcher", "AllToAllDispatcher", "DispatchStats", "FlexDispatcher",

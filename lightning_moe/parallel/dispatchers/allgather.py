@@ -20,8 +20,8 @@ from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.permute import expert_order
 from lightning_moe.layers.routing import padded_expert_rows
 from lightning_moe.parallel.collectives import all_gather_v, gather_sizes, reduce_scatter_v
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers.stats import DispatchStats
+from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = ["AllGatherDispatcher", "AllGatherMetadata"]
 

@@ -34,8 +34,8 @@ from torch import Tensor
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.permute import expert_order
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers.ep_alltoall import ExpertParallelAllToAll
+from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = ["DeepEPFlexDispatcher", "DeepEPMetadata", "deep_ep_available", "deepep_problems", "import_deep_ep"]
 

@@ -17,8 +17,8 @@ from torch import Tensor
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.permute import unpermute
 from lightning_moe.parallel.collectives import all_to_all, reduce_scatter_v
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers.stats import DispatchStats
+from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = ["AllToAllMetadata", "ExpertParallelAllToAll"]
 

@@ -44,8 +44,8 @@ from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.permute import expert_order
 from lightning_moe.layers.routing import padded_expert_rows
 from lightning_moe.parallel.collectives import all_gather_v, all_to_all, gather_sizes
-from lightning_moe.parallel.context import ParallelContext
 from lightning_moe.parallel.dispatchers.ep_alltoall import AllToAllMetadata, ExpertParallelAllToAll
+from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = [
     "FLEX_BACKENDS", "FlexDispatcher", "expand_rows", "make_flex_dispatcher", "pack_bits", "resolve_flex_backend",

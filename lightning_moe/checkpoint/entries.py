@@ -11,7 +11,7 @@ bytes into many chunks. :func:`check_storage` holds every entry to what the file
 * every chunk has a storage record, and that record's bytes hold at least the chunk's raw data
   (DCP stores each chunk as a ``torch.save`` blob, so never less);
 * storage records of one file do not overlap, so the declared tensor bytes never exceed the
-  bytes of the files (whose sizes :func:`~lightning_moe.parallel.checkpoint_integrity.check_complete`
+  bytes of the files (whose sizes :func:`~lightning_moe.checkpoint.integrity.check_complete`
   checked);
 * ``planner_data`` paths (how an export rebuilds the nesting) are the key's own parts, with list
   indices no larger than the number of entries.
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from lightning_moe.parallel.checkpoint_integrity import DCP_METADATA, CheckpointIntegrityError
+from lightning_moe.checkpoint.integrity import DCP_METADATA, CheckpointIntegrityError
 
 __all__ = ["check_entries", "check_storage", "expected_entries"]
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = ["LIGHTNING_MESH_DIMS", "LightningDeviceMesh", "layout_dim_names", "lightning_device_mesh"]
 

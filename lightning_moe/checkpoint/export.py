@@ -9,12 +9,12 @@ weights_only=True)`` and ``model.load_state_dict(state, strict=True)``; optimize
 and hyperparameters are left out.
 
 No model class is needed. The checkpoint is opened and checked by
-:func:`~lightning_moe.parallel.checkpoint_reader.open_checkpoint` (completeness, ``.metadata``'s
+:func:`~lightning_moe.checkpoint.reader.open_checkpoint` (completeness, ``.metadata``'s
 entries against the files, SHA-256 digests unless ``verify=False``; nothing in it runs code),
 then read a batch of tensors at a time, each batch no larger than the largest tensor: a sharded
 directory through DCP in this one process (whatever the saving layout, every shard's piece goes
 into the full tensors), a consolidated file memory-mapped. Each tensor is written to the output
-as soon as it is read (:class:`~lightning_moe.parallel.torch_file_stream.TorchFileStream`), so
+as soon as it is read (:class:`~lightning_moe.checkpoint.torch_file_stream.TorchFileStream`), so
 the process holds about twice the largest tensor (a batch and the piece DCP is reading into it),
 never the model.
 
@@ -36,9 +36,9 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.checkpoint._traverse import set_element
 
-from lightning_moe.parallel.checkpoint_files import find_os_error, partial_path
-from lightning_moe.parallel.checkpoint_reader import MODEL_KEY, CheckpointSource, open_checkpoint
-from lightning_moe.parallel.torch_file_stream import TorchFileStream
+from lightning_moe.checkpoint.files import find_os_error, partial_path
+from lightning_moe.checkpoint.reader import MODEL_KEY, CheckpointSource, open_checkpoint
+from lightning_moe.checkpoint.torch_file_stream import TorchFileStream
 
 __all__ = ["MODEL_KEY", "ExportedCheckpoint", "export_checkpoint", "read_checkpoint", "read_model_state", "write_failure"]
 
@@ -93,7 +93,7 @@ def read_checkpoint(
     """:func:`read_model_state` and, last, everything else the checkpoint holds but tensors
     (Lightning's ``hyper_parameters``, the LightningModule's own entries), read with ``weights_only``.
     To go through the model a few tensors at a time instead, use
-    :func:`~lightning_moe.parallel.checkpoint_reader.open_checkpoint`."""
+    :func:`~lightning_moe.checkpoint.reader.open_checkpoint`."""
     source = open_checkpoint(checkpoint, verify)
     return source.read_all(), source.kind, source.layout, source.verified, source.extras
 

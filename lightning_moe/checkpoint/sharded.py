@@ -7,7 +7,7 @@
   global DTensors the same way, so moments reshard with their weights. Only tensors go into the
   shards; the param-group hyperparameters are returned separately (:func:`optimizer_param_groups`)
   for the small metadata file.
-* Loading goes through :func:`load_sharded` (:mod:`lightning_moe.parallel.checkpoint_security`):
+* Loading goes through :func:`load_sharded` (:mod:`lightning_moe.checkpoint.security`):
   DCP's metadata is read with an exact allowlist and bytes items only where the caller's state
   declares a non-tensor, with ``weights_only=True``; a checkpoint can carry tensors and DCP's own
   bookkeeping, never code. Load a sharded checkpoint at any layout (or on one device) with::
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
-from lightning_moe.parallel.checkpoint_security import SafeFileSystemReader, SafeLoadPlanner, load_sharded
+from lightning_moe.checkpoint.security import SafeFileSystemReader, SafeLoadPlanner, load_sharded
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter, expert_shard, is_expert_param
 
 __all__ = [

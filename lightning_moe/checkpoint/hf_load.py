@@ -19,7 +19,7 @@ shared expert's fc1 its gate and up rows. The block is copied into the local ten
 optimizer's references stay valid), cast to the parameter's dtype. Every parameter and buffer must
 be filled and every tensor of the directory used (DeepSeek's multi-token-prediction layers are
 skipped with a warning); the errors name the tensor. A model trimmed to its pipeline stages
-(:func:`~lightning_moe.parallel.pipeline_split.trim_to_stages`) reads only its stages' tensors, and
+(:func:`~lightning_moe.parallel.pipeline.split.trim_to_stages`) reads only its stages' tensors, and
 "used" counts the whole model's: another stage's tensor is fine, one no stage takes is an error.
 No communication: ranks read independently.
 """
@@ -40,7 +40,7 @@ from lightning_moe.models.hf.config_map import config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config
 from lightning_moe.models.hf.weights import Source, check_leftovers, hf_sources
 from lightning_moe.parallel.expert_parallel import expert_shard, ffn_block_ranges
-from lightning_moe.parallel.pipeline_split import trim_record
+from lightning_moe.parallel.pipeline.split import trim_record
 
 __all__ = ["load_hf_weights", "local_ranges"]
 

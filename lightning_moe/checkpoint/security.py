@@ -12,7 +12,7 @@ The three ways a crafted checkpoint could run code, and what closes each:
   The EXT opcodes (copyreg's extension registry, whose cache bypasses ``find_class``) are refused.
   In a sharded checkpoint of this package, ``.metadata`` is checked against the size and digest
   recorded in ``meta.pt`` before it is unpickled, and ``meta.pt`` against its own record
-  (:data:`~lightning_moe.parallel.checkpoint_integrity.META_DIGEST_FILE`).
+  (:data:`~lightning_moe.checkpoint.integrity.META_DIGEST_FILE`).
 * A bytes item (a pickled value inside a shard) is unpickled only for a key whose value in the
   caller's own state dict is not a tensor, and then with ``torch.load(weights_only=True)``
   (:class:`SafeLoadPlanner`; DCP's default planner uses ``weights_only=False``). Our checkpoints
@@ -48,9 +48,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from lightning_moe.parallel.checkpoint_entries import check_storage
-from lightning_moe.parallel.checkpoint_files import rank_failures
-from lightning_moe.parallel.checkpoint_integrity import (
+from lightning_moe.checkpoint.entries import check_storage
+from lightning_moe.checkpoint.files import rank_failures
+from lightning_moe.checkpoint.integrity import (
     DCP_METADATA,
     LAYOUT_KEY,
     META_FILE,
@@ -60,7 +60,7 @@ from lightning_moe.parallel.checkpoint_integrity import (
     read_member,
     read_meta_digest,
 )
-from lightning_moe.parallel.checkpoint_legacy import adopt_legacy_fc1
+from lightning_moe.checkpoint.legacy import adopt_legacy_fc1
 
 __all__ = [
     "RestrictedUnpickler",
@@ -290,7 +290,7 @@ class SafeFileSystemReader(FileSystemReader):
                     raise UnsafeCheckpointError(
                         f"{self.path}: the checkpoint declares {item.dest_index.fqn!r} as a pickled (bytes) item, "
                         f"which {type(planner).__name__} would unpickle with weights_only=False; refusing. "
-                        "Load with lightning_moe.parallel.checkpoint.load_sharded (or planner=SafeLoadPlanner())."
+                        "Load with lightning_moe.checkpoint.sharded.load_sharded (or planner=SafeLoadPlanner())."
                     )
         return super().read_data(plan, planner)
 
@@ -324,7 +324,7 @@ def load_sharded(
     turned into the error of the rank that failed (same on every rank). A checkpoint of the older
     gated-fc1 layout ``[E, 2F, H]`` is read into templates of that layout, which replace the
     ``[E, 2, F, H]`` ones in ``state_dict``
-    (:func:`~lightning_moe.parallel.checkpoint_legacy.adopt_legacy_fc1`); ``load_state_dict``
+    (:func:`~lightning_moe.checkpoint.legacy.adopt_legacy_fc1`); ``load_state_dict``
     accepts both.
     """
     path = Path(path)
@@ -384,13 +384,13 @@ def read_sharded_metadata(
     """``(meta.pt, .metadata)`` of the sharded checkpoint directory ``path``, checked before use.
 
     Each file is read once into memory, checked, then parsed from those bytes: ``meta.pt`` against
-    :data:`~lightning_moe.parallel.checkpoint_integrity.META_DIGEST_FILE`
+    :data:`~lightning_moe.checkpoint.integrity.META_DIGEST_FILE`
     (size, and digest if ``verify``), then loaded with
     :func:`load_torch_file` (``weights_only`` unless the caller trusts the file); ``.metadata``
     against its record in ``meta.pt``, then unpickled with the allowlist. Then
-    :func:`~lightning_moe.parallel.checkpoint_integrity.check_complete` raises naming the first
+    :func:`~lightning_moe.checkpoint.integrity.check_complete` raises naming the first
     missing, truncated, foreign or linked file, and
-    :func:`~lightning_moe.parallel.checkpoint_entries.check_storage` for entries that do not cover
+    :func:`~lightning_moe.checkpoint.entries.check_storage` for entries that do not cover
     their tensors or ask for more bytes than the files hold. Both files must exist (callers say
     which is missing).
     """

@@ -25,8 +25,8 @@ from torch import nn
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.parallel.config_error import ConfigError, raise_problems
-from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_support import expert_parallel_support_problem
+from lightning_moe.parallel.layout.dims import ParallelDims
 from lightning_moe.parallel.tensor_parallel import tensor_parallel_problems
 
 __all__ = [

@@ -16,7 +16,7 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
   micro-batches once, after the last backward (``scale_grads``), so the gradients equal those of
   ``M``-step gradient accumulation of the same micro-batches. With ``num_targets`` (a function
   counting the targets a micro-batch keeps) each micro-batch's loss is weighed by its share of the
-  batch's targets instead (:class:`~lightning_moe.parallel.pipeline_loss.TargetWeightedLoss`), so
+  batch's targets instead (:class:`~lightning_moe.parallel.pipeline.loss.TargetWeightedLoss`), so
   the loss and its gradients are the mean per target of the whole batch, as at PP=1, however the
   kept targets fall into micro-batches (one without any counts for nothing). The MoE aux and z losses inject
   their gradients inside the stages: their scale must be 1 (times strategy factors), because the
@@ -41,14 +41,14 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
 * context parallelism (the reference transformer only): the inputs and targets are this CP rank's
   chunks of each sequence (cut before the runner, the same chunks for both), and so are the hidden
   states between stages; the blocks attend over the CP group and use the chunks' global rotary
-  positions (:mod:`~lightning_moe.parallel.pipeline_split`). ``loss_fn`` returns this CP rank's
+  positions (:mod:`~lightning_moe.parallel.pipeline.split`). ``loss_fn`` returns this CP rank's
   share of the whole-sequence mean, as the CP training loss does
   (:func:`~lightning_moe.parallel.context_parallel_apply.cp_token_mean`: its gradients, reduced
   over DP x CP, are the whole sequence's); the runner averages the shares over ``cp`` after the
   broadcast, so every rank returns the whole-sequence means;
 * when a stage raises, its rank tells the others, which raise
-  :class:`~lightning_moe.parallel.stage_failure.PipelineStageError` naming that stage and its
-  error instead of their transport's "Connection closed by peer" (:mod:`~lightning_moe.parallel.stage_failure`).
+  :class:`~lightning_moe.parallel.pipeline.stage_failure.PipelineStageError` naming that stage and its
+  error instead of their transport's "Connection closed by peer" (:mod:`~lightning_moe.parallel.pipeline.stage_failure`).
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ from torch.distributed.pipelining.schedules import (  # private: see _forward_on
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.parallel.context import ParallelContext
+from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import plan_of
-from lightning_moe.parallel.pipeline_loss import TargetWeightedLoss
-from lightning_moe.parallel.pipeline_split import (
+from lightning_moe.parallel.pipeline.loss import TargetWeightedLoss
+from lightning_moe.parallel.pipeline.split import (
     StageModule,
     layer_split,
     num_blocks_before_trim,
@@ -87,8 +87,8 @@ from lightning_moe.parallel.pipeline_split import (
     stage_to_rank,
     trim_to_stages,
 )
+from lightning_moe.parallel.pipeline.stage_failure import describe_peer_failure, publish_failure
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
-from lightning_moe.parallel.stage_failure import describe_peer_failure, publish_failure
 
 __all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options", "sharded_schedule_problem"]
 
@@ -214,7 +214,7 @@ class PipelineRunner:
     """This rank's pipeline stages of ``model`` and the schedule that runs them (see the module docstring).
 
     Trims ``model`` in place to this rank's stages (global parameter names kept:
-    :func:`~lightning_moe.parallel.pipeline_split.trim_to_stages`): build optimizers and
+    :func:`~lightning_moe.parallel.pipeline.split.trim_to_stages`): build optimizers and
     gradient synchronisation afterwards.
 
     Args:

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_moe.parallel.dims import GROUP_NAMES, MESH_DIM_NAMES, ParallelDims, RankCoords
+from lightning_moe.parallel.layout.dims import GROUP_NAMES, MESH_DIM_NAMES, ParallelDims, RankCoords
 
 __all__ = ["CRITICAL_PATH_GROUPS", "UNBUILT_GROUPS", "ParallelContext", "build_parallel_context"]
 

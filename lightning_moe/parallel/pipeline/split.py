@@ -54,7 +54,7 @@ def pipeline_parts_of(model: nn.Module) -> PipelineParts:
         raise TypeError(
             f"{type(model).__name__} cannot be split into pipeline stages: it defines no pipeline_parts() "
             "method and no parallel_plan() with a pipeline. Define pipeline_parts(self) -> "
-            "lightning_moe.parallel.pipeline_split.PipelineParts (its ordered blocks plus the first and last "
+            "lightning_moe.parallel.pipeline.split.PipelineParts (its ordered blocks plus the first and last "
             "pieces; see that module's docstring) or declare it in parallel_plan() "
             "(lightning_moe.parallel.model_plan), or use pipeline_parallel_size=1."
         )

@@ -1,6 +1,6 @@
 """Export a training checkpoint as a Hugging Face model directory (``lightning-moe export --format hf``).
 
-:func:`export_hf` reads a checkpoint of any layout as :func:`~lightning_moe.parallel.checkpoint_export.export_checkpoint`
+:func:`export_hf` reads a checkpoint of any layout as :func:`~lightning_moe.checkpoint.export.export_checkpoint`
 does (sharded at any TP/EP/ETP and sharding strategy, or consolidated; completeness and checksums
 checked; nothing executed), takes the :class:`~lightning_moe.models.MoETransformer` weights of a
 :class:`~lightning_moe.lit.MoELanguageModel` (``model.*`` keys) and writes ``config.json`` and
@@ -18,7 +18,7 @@ family cannot hold is refused before anything is written. The directory is writt
 sibling name and renamed into place once complete.
 
 One process, one tensor at a time: the Hugging Face names, shapes and dtypes follow from the
-checkpoint's entries before any weight is read (:func:`~lightning_moe.parallel.checkpoint_reader.open_checkpoint`),
+checkpoint's entries before any weight is read (:func:`~lightning_moe.checkpoint.reader.open_checkpoint`),
 so every shard's header is written first and each of our tensors is read when the writer reaches
 its first Hugging Face tensor, written out as its per-expert views, and dropped
 (:func:`~lightning_moe.models.hf.io.write_safetensors_lazily`). The process holds about twice the
@@ -41,15 +41,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_moe.checkpoint.export import ExportedCheckpoint, write_failure
+from lightning_moe.checkpoint.files import partial_path
+from lightning_moe.checkpoint.reader import CheckpointSource, Entry, open_checkpoint
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.hf.config_export import infer_family
 from lightning_moe.models.hf.io import TensorSpec, read_config, write_config, write_safetensors_lazily
 from lightning_moe.models.hf.source import copy_source_files, exported_config, source_files_in
 from lightning_moe.models.hf.weights import hf_defaults, hf_pieces
-from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, write_failure
-from lightning_moe.parallel.checkpoint_files import partial_path
-from lightning_moe.parallel.checkpoint_reader import CheckpointSource, Entry, open_checkpoint
 
 __all__ = ["MODEL_CONFIG_KEY", "config_from_dict", "export_hf", "model_record", "recorded_config"]
 
@@ -102,7 +102,7 @@ def _record(extras: dict[str, Any], source: Path) -> tuple[MoETransformerConfig,
 
 def recorded_config(extras: dict[str, Any], source: str | os.PathLike) -> MoETransformerConfig:
     """The :class:`MoETransformerConfig` a ``MoELanguageModel`` checkpoint records (``extras`` as
-    :func:`~lightning_moe.parallel.checkpoint_export.read_checkpoint` returns them); ``ValueError``
+    :func:`~lightning_moe.checkpoint.export.read_checkpoint` returns them); ``ValueError``
     naming ``source`` when it records none (another LightningModule's checkpoint)."""
     return _record(extras, Path(source))[0]
 
@@ -194,7 +194,7 @@ def export_hf(
         verify: check every file of a sharded checkpoint against its recorded SHA-256 first.
         max_shard_size: safetensors shard size (bytes or a string such as ``"5GB"``).
 
-    Raises what :func:`~lightning_moe.parallel.checkpoint_export.export_checkpoint` raises, and
+    Raises what :func:`~lightning_moe.checkpoint.export.export_checkpoint` raises, and
     ``ValueError`` for a checkpoint without a recorded configuration or a model the family cannot hold.
     """
     source, target = Path(checkpoint), Path(output)

@@ -3,7 +3,7 @@
 A stage that raises (its loss, a layer, memory) ends its process; the ranks of the other stages
 wait on it in a send, a receive or the loss broadcast, and all they see is the transport's error
 (gloo: "Connection closed by peer") or a timeout, with nothing about the cause. So the pipeline
-(:class:`~lightning_moe.parallel.pipeline.PipelineRunner`) catches what a step raises:
+(:class:`~lightning_moe.parallel.pipeline.runner.PipelineRunner`) catches what a step raises:
 
 * a rank whose own stage raised writes one line to the default process group's store,
   ``"pipeline stage 1 (rank 1) failed: ValueError: ..."``, before it re-raises its error (with a

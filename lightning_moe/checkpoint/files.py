@@ -31,7 +31,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_moe.parallel.checkpoint_integrity import DCP_METADATA, META_DIGEST_FILE, META_FILE
+from lightning_moe.checkpoint.integrity import DCP_METADATA, META_DIGEST_FILE, META_FILE
 
 __all__ = [
     "describe_write_error",

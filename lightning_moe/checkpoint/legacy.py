@@ -6,7 +6,7 @@ same numbers in the same order. :func:`adopt_legacy_fc1` prepares the templates 
 a checkpoint: each gated-fc1 tensor (the weight or an optimizer state of it: a key with a
 ``fc1_weight`` part) whose entry in the checkpoint has the older shape is replaced by a template
 of that shape, which the experts' load hooks and
-:func:`~lightning_moe.parallel.checkpoint.load_optimizer_state_dict` accept:
+:func:`~lightning_moe.checkpoint.sharded.load_optimizer_state_dict` accept:
 
 * a plain tensor (a one-device model): a ``[E, 2F, H]`` tensor;
 * a DTensor: one on the same mesh, sharded as before over the experts (and H under sharded data

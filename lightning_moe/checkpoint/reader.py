@@ -9,7 +9,7 @@ holds the batch it is working on and nothing else.
 
 * Sharded: the entries, their shapes and dtypes and their nesting come from DCP's ``.metadata``
   (the planner's recorded paths); each batch is an empty template of those tensors that
-  :func:`~lightning_moe.parallel.checkpoint_security.load_sharded` fills, without a process
+  :func:`~lightning_moe.checkpoint.security.load_sharded` fills, without a process
   group: whatever the saving layout, DCP reads every shard's piece into the full tensors (one
   piece at a time, so a batch costs its tensors and one piece). Before that, as when resuming,
   the directory is checked for completeness (``meta.pt``, ``.metadata`` of the same save, every
@@ -39,15 +39,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from lightning_moe.parallel.checkpoint_files import interrupted_replacement
-from lightning_moe.parallel.checkpoint_integrity import (
+from lightning_moe.checkpoint.files import interrupted_replacement
+from lightning_moe.checkpoint.integrity import (
     DCP_METADATA,
     LAYOUT_KEY,
     META_FILE,
     has_digests,
     verify_digests,
 )
-from lightning_moe.parallel.checkpoint_security import load_sharded, load_torch_file, read_sharded_metadata
+from lightning_moe.checkpoint.security import load_sharded, load_torch_file, read_sharded_metadata
 
 __all__ = ["MODEL_KEY", "CheckpointSource", "Entry", "open_checkpoint"]
 

@@ -8,7 +8,7 @@ the function DCP uses to record the chunks of a DTensor it saves, so every layou
 checkpoint can hold is gathered the same way (EP, ETP, TP, FSDP2 and their foldings).
 
 :func:`write_consolidated` streams a state dict through it key by key into a
-:class:`~lightning_moe.parallel.torch_file_stream.TorchFileStream`: the destination rank holds the
+:class:`~lightning_moe.checkpoint.torch_file_stream.TorchFileStream`: the destination rank holds the
 tensor being assembled (in host memory) and at most one received piece, every other rank nothing
 but what it already held, never more than one full tensor at a time. The file loads with
 ``torch.load(path, weights_only=True)`` like any ``torch.save`` file.
@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from lightning_moe.parallel.torch_file_stream import TorchFileStream
+from lightning_moe.checkpoint.torch_file_stream import TorchFileStream
 
 __all__ = ["gather_full", "write_consolidated"]
 
