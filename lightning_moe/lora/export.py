@@ -93,10 +93,11 @@ def export_merged(
     record = extras.get(LORA_RECORD_KEY)
     if not isinstance(record, dict):
         raise ValueError(f"{source} is not a LoRA checkpoint (no {LORA_RECORD_KEY!r} record): export it without --merge.")
-    from lightning_moe.models.hf import load_pretrained, save_pretrained  # safetensors: the hf extra
+    from lightning_moe.models import MoETransformer
+    from lightning_moe.models.hf import save_pretrained  # safetensors: the hf extra
 
     base_dir = _base_path(record, source, base)
-    model = load_pretrained(base_dir)
+    model = MoETransformer.from_pretrained(base_dir)
     apply_lora(model, LoRAConfig(**record["config"]))
     problems = base_mismatches(record["base_fingerprint"], base_fingerprint(model))
     if problems:

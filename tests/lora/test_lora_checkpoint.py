@@ -29,7 +29,7 @@ from lightning_moe.cli import export_main
 from lightning_moe.lit import MoELanguageModel
 from lightning_moe.lora import LoRAConfig, apply_lora, is_adapter_key
 from lightning_moe.lora.checkpoint import LORA_RECORD_KEY
-from lightning_moe.models.hf import load_pretrained
+from lightning_moe.models import MoETransformer
 from lightning_moe.strategies import MoEStrategy
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
@@ -163,7 +163,7 @@ def test_resuming_on_another_base_is_refused(runs):
 
 def _lora_logits(base, adapters: dict, tokens: torch.Tensor) -> torch.Tensor:
     """Oracle of the merged export: the base with the checkpoint's adapters applied, one process."""
-    model = load_pretrained(base)
+    model = MoETransformer.from_pretrained(base)
     apply_lora(model, LORA)
     model.load_state_dict(adapters, strict=False)
     with torch.no_grad():
@@ -179,7 +179,7 @@ def test_export_merge_folds_the_adapters_into_the_base(runs, tmp_path):
     export_main([str(ranks[0]["path"]), str(tmp_path / "merged.pt"), "--merge"])
     state = torch.load(tmp_path / "merged.pt", weights_only=True)
     assert not any(is_adapter_key(k) for k in state)
-    plain = load_pretrained(base)  # the plain model's keys; every weight replaced by the export's
+    plain = MoETransformer.from_pretrained(base)  # the plain model's keys; every weight replaced by the export's
     plain.load_state_dict({k[len("model."):]: v for k, v in state.items()}, strict=True)
     with torch.no_grad():
         assert_close_to_scale(plain(tokens), want, TOL, "merged torch export")
