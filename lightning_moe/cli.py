@@ -62,6 +62,7 @@ from lightning_moe.cli_ckpt_hparams import checkpoint_hyperparameters
 from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
 from lightning_moe.cli_help import HelpParser
 from lightning_moe.cli_plan import PLAN_HELP, plan_main, plan_parser
+from lightning_moe.models.hf.families import model_families
 from lightning_moe.parallel.checkpoint_export import ExportedCheckpoint, export_checkpoint
 from lightning_moe.parallel.checkpoint_export_hf import export_hf
 from lightning_moe.parallel.checkpoint_integrity import CheckpointIntegrityError
@@ -107,7 +108,7 @@ def export_parser() -> ArgumentParser:
         "safetensors) of a MoELanguageModel checkpoint, which transformers loads.",
     )
     parser.add_argument(
-        "--family", default=None, choices=["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"],
+        "--family", default=None, choices=model_families(),
         help="--format hf: the Hugging Face family (default: the init_from directory's, else inferred).",
     )
     parser.add_argument(
