@@ -37,9 +37,8 @@ from lightning_moe.parallel.context_parallel_apply import shard_batch
 from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
 from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
-from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.parallel.gradient_sync import GradientSync
 from lightning_moe.parallel.lightning_mesh import lightning_device_mesh
-from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.checkpoint_methods import CheckpointMethods
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.collectives import WorldCollectives
@@ -178,7 +177,7 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
         self._context: ParallelContext | None = None
         self._layout_announced = False
         self._device_mesh: DeviceMesh | None = None
-        self._grad_sync: GradSync | ShardedGradSync | None = None
+        self._grad_sync: GradientSync | None = None
         self._safeguards = StepSafeguards(on_nonfinite_grads)
         self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint, verify_checkpoints=verify_checkpoints)
         self.num_nodes = 1
