@@ -9,6 +9,7 @@ from lightning_moe.parallel.expert_parallel import apply_expert_parallel, expert
 from lightning_moe.parallel.fully_shard import SHARDING_STRATEGIES, apply_fully_shard
 from lightning_moe.parallel.gradient_sync import GradientSync
 from lightning_moe.parallel.mixed_step import allow_mixed_tensors, mixed_tensor_updates
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.parallel.sharded_init import write_sharded
@@ -24,6 +25,7 @@ __all__ = [
     "GradientSync",
     "ParallelContext",
     "ParallelDims",
+    "ParallelOptions",
     "RankCoords",
     "ShardedGradSync",
     "allow_mixed_tensors",
