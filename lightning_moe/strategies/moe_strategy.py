@@ -23,8 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -32,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_moe.compat import default_process_group_backend, optimizers_to_device
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, mixed_tensor_updates
 from lightning_moe.parallel.context_parallel_apply import shard_batch
@@ -295,7 +294,7 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
             # (which may concern one rank only) stay.
             for category in (DeprecationWarning, FutureWarning):
                 warnings.filterwarnings("ignore", category=category)
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
         connect(self.cluster_environment, backend, self.root_device, self._startup_timeout, self._timeout)
         if self._context is None:
@@ -353,7 +352,7 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
             self._patch_gradient_clipping()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         self.barrier()
 
     @property
