@@ -26,10 +26,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils import _pytree
 
 __all__ = [
-    "compute_local_shape_and_global_offset", "default_process_group_backend", "device_constructors",
+    "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store", "device_constructors",
     "dtensor_op_dispatcher", "format_summary_table", "fsdp_finish_root_backward", "fsdp_lazy_init", "fsdp_param_groups",
     "fsdp_root_states", "fsdp_shared_states", "fsdp_state", "init_dist_connection", "optimizers_to_device", "register_fake_backend",
-    "set_num_threads_if_needed", "set_skip_backward", "sync_ddp_if_available", "tree_flatten", "tree_map_only",
+    "set_default_group_timeout", "set_num_threads_if_needed", "set_skip_backward", "sync_ddp_if_available", "tree_flatten", "tree_map_only",
 ]
 
 
@@ -105,6 +105,22 @@ def device_constructors() -> set:
     from torch.utils._device import _device_constructors
 
     return _device_constructors()
+
+
+def set_default_group_timeout(timeout: Any) -> None:
+    """Set the timeout of the default process group's collectives after it was created
+    (``torch.distributed.distributed_c10d._set_pg_timeout``, torch 2.13)."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group; raises when there is none
+    (``torch.distributed.distributed_c10d._get_default_store``, torch 2.13)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
 
 
 def register_fake_backend() -> type:

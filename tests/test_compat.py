@@ -20,7 +20,8 @@ ROUTED = (
     "_get_fsdp_state", "_fsdp_param_groups", "_state_ctx", "_root_post_backward_final_callback", "_lazy_init",
     "_op_dispatcher", "torch.utils._pytree", "torch.utils._device", "distributed.fake_pg", "_skip_backward",
     "_get_default_process_group_backend_for_device", "_optimizers_to_device", "_sync_ddp_if_available",
-    "_set_num_threads_if_needed", "_init_dist_connection", "_format_summary_table",
+    "_set_num_threads_if_needed", "_init_dist_connection", "_format_summary_table", "_set_pg_timeout",
+    "_get_default_store",
 )
 
 # A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...).

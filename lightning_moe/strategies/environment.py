@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
-from lightning_moe.compat import init_dist_connection
+from lightning_moe.compat import init_dist_connection, set_default_group_timeout
 
 __all__ = ["ExistingProcessGroupEnvironment", "connect"]
 
@@ -32,7 +32,7 @@ def connect(environment: ClusterEnvironment, backend: str, device: torch.device,
     kwargs = {"timeout": startup_timeout} if device.type == "cpu" else {"timeout": startup_timeout, "device_id": device}
     init_dist_connection(environment, backend, **kwargs)
     if timeout is not None:
-        dist.distributed_c10d._set_pg_timeout(timeout)
+        set_default_group_timeout(timeout)
 
 
 class ExistingProcessGroupEnvironment(ClusterEnvironment):
