@@ -68,6 +68,7 @@ from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, 
 from lightning_moe.cli_help import HelpParser
 from lightning_moe.cli_plan import PLAN_HELP, plan_main, plan_parser
 from lightning_moe.lora.export import export_merged
+from lightning_moe.models.hf.families import model_families
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.layout.check import check_model_layout, meta_copy
 from lightning_moe.planning import Layout, Plan
@@ -109,7 +110,7 @@ def export_parser() -> ArgumentParser:
         "safetensors) of a MoELanguageModel checkpoint, which transformers loads.",
     )
     parser.add_argument(
-        "--family", default=None, choices=["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"],
+        "--family", default=None, choices=model_families(),
         help="--format hf: the Hugging Face family (default: the init_from directory's, else inferred).",
     )
     parser.add_argument(

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
+
+from lightning_moe.compat import tree_flatten
 
 __all__ = ["BatchAgreement", "batch_fingerprint", "check_same_batch"]
 

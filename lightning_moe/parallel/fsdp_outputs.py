@@ -16,7 +16,8 @@ from typing import Any
 
 from torch import Tensor, autograd, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
+
+from lightning_moe.compat import tree_map_only
 
 __all__ = ["return_no_views"]
 

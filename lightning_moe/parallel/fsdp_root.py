@@ -29,11 +29,9 @@ from collections.abc import Sequence
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_moe.compat import fsdp_lazy_init, fsdp_state
+
 __all__ = ["claim_units", "set_chain_prefetch"]
-
-
-def _state(unit: FSDPModule):
-    return unit._get_fsdp_state()  # private, as torch.distributed.pipelining.stage uses it
 
 
 def claim_units(root: FSDPModule) -> None:
@@ -44,11 +42,11 @@ def claim_units(root: FSDPModule) -> None:
     at the first forward rather than now because FSDP2 checks the parameters then (no meta tensor
     left; dtypes after the precision plugin's conversion).
     """
-    state = _state(root)
+    state = fsdp_state(root)
     handles = []
 
     def claim(module: nn.Module, args, kwargs):
-        state._lazy_init()  # a no-op when the root's own forward ran first
+        fsdp_lazy_init(state)  # a no-op when the root's own forward ran first
         for handle in handles:
             handle.remove()
 
@@ -59,8 +57,8 @@ def claim_units(root: FSDPModule) -> None:
 
 def _with_nested(unit: FSDPModule) -> list[FSDPModule]:
     """``unit`` and the units nested inside it (a MoE block's experts), in module order."""
-    own = _state(unit)
-    nested = [m for m in unit.modules() if isinstance(m, FSDPModule) and _state(m) is not own]
+    own = fsdp_state(unit)
+    nested = [m for m in unit.modules() if isinstance(m, FSDPModule) and fsdp_state(m) is not own]
     return [unit, *nested]
 
 
@@ -73,12 +71,12 @@ def set_chain_prefetch(chain: Sequence[FSDPModule]) -> None:
     forward: dict[int, tuple[FSDPModule, list[FSDPModule]]] = {}
     backward: dict[int, tuple[FSDPModule, list[FSDPModule]]] = {}
     for i, unit in enumerate(chain):
-        key = id(_state(unit))
+        key = id(fsdp_state(unit))
         forward.setdefault(key, (unit, []))
         backward.setdefault(key, (unit, []))
-        if i + 1 < len(chain) and _state(chain[i + 1]) is not _state(unit):
+        if i + 1 < len(chain) and fsdp_state(chain[i + 1]) is not fsdp_state(unit):
             forward[key][1].extend(_with_nested(chain[i + 1]))
-        if i > 0 and _state(chain[i - 1]) is not _state(unit):
+        if i > 0 and fsdp_state(chain[i - 1]) is not fsdp_state(unit):
             backward[key][1].extend(_with_nested(chain[i - 1]))
     for unit, targets in forward.values():
         if targets:

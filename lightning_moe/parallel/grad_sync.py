@@ -412,6 +412,10 @@ class GradSync:
         self._next_launch = 0
         self._pending = False
 
+    def reduce_accumulated(self) -> None:
+        """Nothing to start early: gradients accumulated under :meth:`no_sync` are all reduced by
+        :meth:`finish` (the :class:`~lightning_moe.parallel.gradient_sync.GradientSync` interface)."""
+
     def remove_hooks(self) -> None:
         """Detach from the module's parameters (and let the expert kernels go of the bucket slots)."""
         for hook in self._hooks:

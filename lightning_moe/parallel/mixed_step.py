@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from lightning_moe.compat import dtensor_op_dispatcher
 
 __all__ = ["allow_mixed_tensors", "mixed_tensor_updates"]
 
@@ -39,7 +40,7 @@ def allow_mixed_tensors(enabled: bool = True) -> Iterator[None]:
     """
     # torch's implicit_replication() sets this flag and resets it to False on exit, which would
     # switch it off inside an enclosing step; this restores whatever was set before.
-    dispatcher = DTensor._op_dispatcher
+    dispatcher = dtensor_op_dispatcher()
     previous = dispatcher._allow_implicit_replication
     dispatcher._allow_implicit_replication = enabled
     try:

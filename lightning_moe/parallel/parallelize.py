@@ -37,6 +37,7 @@ from lightning_moe.parallel.expert_parallel import apply_expert_parallel
 from lightning_moe.parallel.fully_shard import apply_fully_shard, check_fully_shard
 from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import planned_modules
+from lightning_moe.parallel.options import ParallelOptions, resolve_options
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 from lightning_moe.parallel.user_tensor_parallel import apply_user_tensor_parallel
 
@@ -46,36 +47,49 @@ __all__ = ["parallelize"]
 def parallelize(
     model: nn.Module,
     ctx: ParallelContext,
-    dispatcher: str = "alltoall",
-    sharding_strategy: str = "NO_SHARD",
+    dispatcher: str | ParallelOptions | None = None,
+    sharding_strategy: str | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-    flex_backend: str = "auto",
-    cp_comm_type: str = "p2p",
+    flex_backend: str | None = None,
+    cp_comm_type: str | None = None,
+    *,
+    options: ParallelOptions | None = None,
     tp_replicated_input: bool = False,
 ) -> nn.Module:
     """Apply the parallel layout of ``ctx`` to ``model`` in place and return it.
 
+    The choices come whole as ``options`` (a :class:`~lightning_moe.parallel.options.ParallelOptions`,
+    also accepted in the place of ``dispatcher``), or as the keywords below; a keyword left out
+    takes the ``ParallelOptions`` default, and mixing both ways is a ``TypeError``.
+
     Args:
         model: a module built for one device (meta-device parameters are fine).
         ctx: the layout, from :func:`~lightning_moe.parallel.build_parallel_context`.
-        dispatcher: token dispatcher of the MoE layers, ``"alltoall"``, ``"allgather"`` or ``"flex"``.
-        sharding_strategy: ``"NO_SHARD"`` (replicated data parallelism), ``"SHARD_GRAD_OP"`` or
+        dispatcher: token dispatcher of the MoE layers, ``"alltoall"`` (default), ``"allgather"`` or ``"flex"``.
+        sharding_strategy: ``"NO_SHARD"`` (default: replicated data parallelism), ``"SHARD_GRAD_OP"`` or
             ``"FULL_SHARD"`` (FSDP2, see :mod:`~lightning_moe.parallel.fully_shard`).
         mp_policy: FSDP2 mixed precision of the sharded strategies (None: compute in the
             parameters' dtype).
-        flex_backend: implementation of the ``flex`` dispatcher, ``"auto"``, ``"torch"`` or ``"deepep"``.
-        cp_comm_type: context-parallel K/V exchange, ``"p2p"`` (ring) or ``"all_gather"``.
+        flex_backend: implementation of the ``flex`` dispatcher, ``"auto"`` (default), ``"torch"`` or ``"deepep"``.
+        cp_comm_type: context-parallel K/V exchange, ``"p2p"`` (default: ring) or ``"all_gather"``.
+        options: all of the above in one object.
         tp_replicated_input: the model's inputs are the same on every rank of a TP group (as
             ``MoEStrategy``'s batches are): MoE layers outside a tensor-parallel plan then route
             each TP rank's slice of their input. False (default): each rank routes the tokens it is
             given (MoE folding: the TP ranks are more ranks to spread tokens over), unless the
             model applied tensor parallelism itself, whose layers' outputs are replicated.
     """
-    check_fully_shard(model, ctx, sharding_strategy)
-    apply_context_parallel(model, ctx, cp_comm_type)
+    if isinstance(dispatcher, ParallelOptions):
+        options, dispatcher = (dispatcher, None) if options is None else (options, dispatcher)
+    options = resolve_options(
+        options, dispatcher=dispatcher, sharding_strategy=sharding_strategy, mp_policy=mp_policy,
+        flex_backend=flex_backend, cp_comm_type=cp_comm_type,
+    )
+    check_fully_shard(model, ctx, options.sharding_strategy)
+    apply_context_parallel(model, ctx, options.cp_comm_type)
     apply_tensor_parallel(model, ctx)
     planned = [m for _, m, plan in planned_modules(model) if plan.tensor_parallel is not None]
     apply_user_tensor_parallel(model, ctx, planned=planned, replicated_input=tp_replicated_input)
-    apply_expert_parallel(model, ctx, dispatcher=dispatcher, flex_backend=flex_backend)
-    apply_fully_shard(model, ctx, sharding_strategy, mp_policy)
+    apply_expert_parallel(model, ctx, dispatcher=options.dispatcher, flex_backend=options.flex_backend)
+    apply_fully_shard(model, ctx, options.sharding_strategy, options.mp_policy)
     return model

@@ -36,33 +36,19 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.compat import (
+    fsdp_finish_root_backward,
+    fsdp_param_groups,
+    fsdp_root_states,
+    fsdp_shared_states,
+)
 from lightning_moe.parallel.fully_shard import fully_sharded_modules, tp_partial_params
 from lightning_moe.parallel.layout.groups import ParallelContext
 
 __all__ = ["ShardedGradSync"]
 
-
-def _fsdp_state(unit: FSDPModule):
-    return unit._get_fsdp_state()  # private, as torch.distributed.pipelining.stage uses it
-
-
-def _param_groups(state) -> list:
-    # torch >= 2.13 keeps a list (one unit may hold several groups); earlier versions one group or None.
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
-def _roots(units: list[FSDPModule]) -> list:
-    """The root states of ``units``: FSDP2 shares one state context between a root and its units
-    (from the first forward on), so a root outside ``units`` (a pipeline stage module) is found too."""
-    contexts = {id(state._state_ctx): state._state_ctx for state in map(_fsdp_state, units)}
-    return [state for context in contexts.values() for state in context.all_states if state._is_root]
 
 
 class ShardedGradSync:
@@ -134,11 +120,12 @@ class ShardedGradSync:
         if not self._sync:
             raise RuntimeError("ShardedGradSync.reduce_accumulated() was called inside no_sync(); call it after.")
         if self.defer_gradient_reduction:
-            for root in _roots(self.units):
-                for state in root._state_ctx.all_states:
-                    for group in _param_groups(state):
+            # A root outside self.units (a pipeline stage module) is found too: roots share state contexts.
+            for root in fsdp_root_states(self.units):
+                for state in fsdp_shared_states(root):
+                    for group in fsdp_param_groups(state):
                         group.post_backward()
-                root._root_post_backward_final_callback()
+                fsdp_finish_root_backward(root)
         self._pending = True
 
     @torch.no_grad()

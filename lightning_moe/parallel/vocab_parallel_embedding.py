@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_moe.compat import compute_local_shape_and_global_offset
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelEmbeddingModule"]
 

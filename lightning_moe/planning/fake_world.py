@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from lightning_moe.compat import dtensor_op_dispatcher, register_fake_backend
 
 __all__ = ["fake_rank", "forget_dtensor_layouts"]
 
@@ -30,7 +30,7 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         dist.destroy_process_group()
     forget_dtensor_layouts()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=register_fake_backend()(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -48,7 +48,7 @@ def forget_dtensor_layouts() -> None:
     earlier rank's mesh, whose coordinate is that rank's. A real job has one rank per process,
     where that mesh is always its own."""
     torch._C._clear_DTensor_sharding_propagator_cache()
-    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator = dtensor_op_dispatcher().sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
 

@@ -20,7 +20,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
+
+from lightning_moe.compat import tree_flatten
 
 __all__ = ["LiveBytes", "follow_fsdp_resizes", "held_bytes", "storage_bytes"]
 

@@ -48,9 +48,9 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 import lightning_moe
+from lightning_moe.compat import tree_flatten
 from lightning_moe.planning.live_bytes import LiveBytes
 
 __all__ = ["COLLECTIVE_NAMESPACES", "Collective", "HostRead", "StepProbe", "StepRecord"]

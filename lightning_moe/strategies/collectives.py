@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from torch import Tensor
+
+from lightning_moe.compat import sync_ddp_if_available
 
 __all__ = ["WorldCollectives"]
 
@@ -34,5 +35,5 @@ class WorldCollectives:
     def reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
         """Reduce ``tensor`` over ``group`` (default: the world), e.g. for ``self.log(sync_dist=True)``."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

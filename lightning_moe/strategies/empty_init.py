@@ -16,8 +16,9 @@ from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
 from torchmetrics import Metric
+
+from lightning_moe.compat import device_constructors
 
 __all__ = ["meta_weights"]
 
@@ -42,7 +43,7 @@ class _MetricsOnDevice(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (
-            func in _device_constructors()
+            func in device_constructors()
             and kwargs.get("device") is None
             and torch.get_default_device().type == "meta"  # not inside an explicit `with torch.device(...)`
             and _building_metric()

@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection
+
+from lightning_moe.compat import init_dist_connection, set_default_group_timeout
 
 __all__ = ["ExistingProcessGroupEnvironment", "connect"]
 
@@ -29,9 +30,9 @@ def connect(environment: ClusterEnvironment, backend: str, device: torch.device,
     if dist.is_initialized():
         return
     kwargs = {"timeout": startup_timeout} if device.type == "cpu" else {"timeout": startup_timeout, "device_id": device}
-    _init_dist_connection(environment, backend, **kwargs)
+    init_dist_connection(environment, backend, **kwargs)
     if timeout is not None:
-        dist.distributed_c10d._set_pg_timeout(timeout)
+        set_default_group_timeout(timeout)
 
 
 class ExistingProcessGroupEnvironment(ClusterEnvironment):

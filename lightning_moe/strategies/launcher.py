@@ -35,10 +35,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lightning_moe.compat import set_num_threads_if_needed
 from lightning_moe.strategies.reaper import end_ranks
 
 __all__ = ["MoESubprocessLauncher", "describe_exit"]
@@ -103,11 +103,11 @@ class MoESubprocessLauncher(_SubprocessScriptLauncher):
         """Start ranks 1..N-1 (unless the environment did), watch them, run ``function`` as rank 0."""
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if self.cluster_environment.creates_processes_externally:
-            _set_num_threads_if_needed(num_processes=self.num_processes)
+            set_num_threads_if_needed(self.num_processes)
             return function(*args, **kwargs)
         # Before the children start, so that they inherit OMP_NUM_THREADS: each rank gets its share of
         # the cores (a rank with every core's thread oversubscribes them N times over).
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(self.num_processes)
         self._call_children_scripts()
         threading.Thread(target=self._watch, daemon=True, name="lightning_moe-rank-watcher").start()
         try:

@@ -11,6 +11,7 @@ group has no CPU backend ("No backend type associated with device type cpu"), so
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from lightning_moe.parallel.fully_shard import (
 )
 from lightning_moe.parallel.layout.dims import ParallelDims
 from lightning_moe.parallel.layout.groups import ParallelContext
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.parallel.user_tensor_parallel import broadcast_dtensor_replicas
 
@@ -98,9 +100,7 @@ def move_materialized(model: nn.Module, device: torch.device) -> None:
 
 
 def prepare_model(
-    model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str,
-    sharding_strategy: str = "NO_SHARD", mp_policy: MixedPrecisionPolicy | None = None, flex_backend: str = "auto",
-    cp_comm_type: str = "p2p", split: Split | None = None,
+    model: nn.Module, ctx: ParallelContext, device: torch.device, options: ParallelOptions, split: Split | None = None,
 ) -> dict[tuple[int, int], str]:
     """Move ``model`` to ``device``, start every rank from rank 0's state, then apply the layout.
 
@@ -110,7 +110,7 @@ def prepare_model(
     CPU tensors. Meta-device tensors are left for :func:`materialize`. On CPU the expert
     kernels' GEMM library is then chosen on rank 0 for every rank; returns those choices (see
     :func:`~lightning_moe.parallel.cpu_gemm_agreement.agree_on_cpu_gemm`), empty elsewhere.
-    ``sharding_strategy``, ``mp_policy``, ``flex_backend`` and ``cp_comm_type`` go to
+    ``options`` (dispatcher, sharding, mixed precision, CP exchange) go whole to
     :func:`~lightning_moe.parallel.parallelize`.
 
     ``split`` (pipeline parallelism) trims the model to this rank's stages between the layout and
@@ -125,17 +125,16 @@ def prepare_model(
     broadcast_initial_state(model)
     broadcast_dtensor_replicas(model, ctx)
     # The ranks of a TP group load the same batches (the strategy checks it every step).
-    options = {"dispatcher": dispatcher, "flex_backend": flex_backend, "cp_comm_type": cp_comm_type,
-               "tp_replicated_input": True}
     if split is None:
-        parallelize(model, ctx, sharding_strategy=sharding_strategy, mp_policy=mp_policy, **options)
+        parallelize(model, ctx, options=options, tp_replicated_input=True)
     else:
-        check_fully_shard(model, ctx, sharding_strategy)  # before anything changes
-        parallelize(model, ctx, **options)
+        check_fully_shard(model, ctx, options.sharding_strategy)  # before anything changes
+        parallelize(model, ctx, options=replace(options, sharding_strategy="NO_SHARD", mp_policy=None),
+                    tp_replicated_input=True)
         stages = split(model)
         # The ranks of one pipeline stage hold the same modules: replicated tensors agree within it.
         materialize(model, device, group=ctx.group("tp_dp_cp"))
-        shard_split_model(model, stages, ctx, sharding_strategy, mp_policy)
+        shard_split_model(model, stages, ctx, options.sharding_strategy, options.mp_policy)
     return agree_on_cpu_gemm(model) if device.type == "cpu" else {}
 
 
@@ -161,9 +160,7 @@ def shard_split_model(
 
 
 def prepare_model_once(
-    model: nn.Module, ctx: ParallelContext, device: torch.device, dispatcher: str,
-    sharding_strategy: str = "NO_SHARD", mp_policy: MixedPrecisionPolicy | None = None, flex_backend: str = "auto",
-    cp_comm_type: str = "p2p", split: Split | None = None,
+    model: nn.Module, ctx: ParallelContext, device: torch.device, options: ParallelOptions, split: Split | None = None,
 ) -> dict[tuple[int, int], str]:
     """:func:`prepare_model` unless ``model`` already holds this layout (a second ``fit``).
 
@@ -172,7 +169,7 @@ def prepare_model_once(
     """
     check_context_parallel_support(model, ctx.size("cp"))
     check_expert_parallel_support(model, ctx.dims)
-    layout = (ctx.dims, dispatcher, sharding_strategy)
+    layout = (ctx.dims, options.dispatcher, options.sharding_strategy)
     applied = getattr(model, _LAYOUT_ATTR, None)
     if applied == layout:
         return {}
@@ -187,9 +184,7 @@ def prepare_model_once(
             f"re-sharded in place to {sizes(*layout)}. Save a checkpoint and load it into a fresh "
             "module instead (checkpoints reshard across layouts)."
         )
-    choices = prepare_model(
-        model, ctx, device, dispatcher, sharding_strategy, mp_policy, flex_backend, cp_comm_type, split
-    )
+    choices = prepare_model(model, ctx, device, options, split)
     setattr(model, _LAYOUT_ATTR, layout)
     return choices
 

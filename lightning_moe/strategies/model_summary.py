@@ -25,11 +25,12 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.callbacks.model_summary import log
 from lightning.pytorch.utilities.model_summary import ModelSummary
-from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, _format_summary_table
+from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 from torchmetrics import Metric
 
+from lightning_moe.compat import format_summary_table
 from lightning_moe.parallel.expert_parallel import expert_shard
 
 __all__ = ["GlobalModelSummary", "global_numel", "use_global_model_summary"]
@@ -118,7 +119,7 @@ class GlobalModelSummary(ModelSummary):
         flops = self.total_flops
         if not flops:
             data = [column for column in data if column[0] != "FLOPs"]
-        text = _format_summary_table(
+        text = format_summary_table(
             self.total_parameters, self.trainable_parameters, self.model_size, self.total_training_modes, flops, *data
         )
         if not flops:

@@ -16,14 +16,13 @@ import signal
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -31,15 +30,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_moe.compat import default_process_group_backend, optimizers_to_device
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, mixed_tensor_updates
 from lightning_moe.parallel.context_parallel_apply import shard_batch
 from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
-from lightning_moe.parallel.fully_shard import check_sharding_strategy
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
-from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.parallel.gradient_sync import GradientSync
 from lightning_moe.parallel.layout.lightning_mesh import lightning_device_mesh
-from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.strategies.checkpoint_methods import CheckpointMethods
 from lightning_moe.strategies.checkpointing import MoECheckpointing
 from lightning_moe.strategies.collectives import WorldCollectives
@@ -160,16 +159,15 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
         )
+        self.parallel_options = ParallelOptions(dispatcher, sharding_strategy, None, flex_backend, cp_comm_type)
         check_strategy_options(
-            pipeline_parallel_size, context_parallel_size, dispatcher, start_method, flex_backend, cp_comm_type,
-            sharding_strategy, defer_gradient_reduction,
+            pipeline_parallel_size, context_parallel_size, start_method, self.parallel_options, defer_gradient_reduction
         )
         self.sizes = {
             "tp": tensor_parallel_size, "cp": context_parallel_size, "pp": pipeline_parallel_size,
             "ep": expert_parallel_size, "etp": expert_tensor_parallel_size,
         }
-        self.order, self.dispatcher, self.flex_backend, self.cp_comm_type = order, dispatcher, flex_backend, cp_comm_type
-        self.sharding_strategy = check_sharding_strategy(sharding_strategy)
+        self.order = order
         self.defer_gradient_reduction = defer_gradient_reduction
         self.bucket_size_mb = bucket_size_mb
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
@@ -178,7 +176,7 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
         self._context: ParallelContext | None = None
         self._layout_announced = False
         self._device_mesh: DeviceMesh | None = None
-        self._grad_sync: GradSync | ShardedGradSync | None = None
+        self._grad_sync: GradientSync | None = None
         self._safeguards = StepSafeguards(on_nonfinite_grads)
         self.checkpointing = MoECheckpointing(self, save_distributed_checkpoint, verify_checkpoints=verify_checkpoints)
         self.num_nodes = 1
@@ -198,6 +196,11 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
                 f"{self.num_nodes}) into TP={self.sizes['tp']}, CP={self.sizes['cp']}, PP={self.sizes['pp']}, "
                 f"EP={self.sizes['ep']}, ETP={self.sizes['etp'] or self.sizes['tp']}: {err}"
             ) from None
+
+    dispatcher = property(lambda self: self.parallel_options.dispatcher, doc="The MoE layers' token dispatcher.")
+    sharding_strategy = property(lambda self: self.parallel_options.sharding_strategy, doc="NO_SHARD or FSDP2's.")
+    flex_backend = property(lambda self: self.parallel_options.flex_backend, doc="The flex dispatcher's backend.")
+    cp_comm_type = property(lambda self: self.parallel_options.cp_comm_type, doc="The CP K/V exchange.")
 
     @property
     def parallel_context(self) -> ParallelContext:
@@ -291,7 +294,7 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
             # (which may concern one rank only) stay.
             for category in (DeprecationWarning, FutureWarning):
                 warnings.filterwarnings("ignore", category=category)
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
         connect(self.cluster_environment, backend, self.root_device, self._startup_timeout, self._timeout)
         if self._context is None:
@@ -312,11 +315,9 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
             self.checkpointing.check_writable(callback.dirpath)  # before any step is spent
         check_sharding_combination(self.sharding_strategy, self.precision_plugin, trainer.callbacks)
         split = None if self._pipeline is None else self._pipeline.prepare(self, trainer)  # trims before sharding
-        gemm_choices = prepare_model_once(
-            self.model, self.parallel_context, self.root_device, self.dispatcher, self.sharding_strategy,
-            sharding_mp_policy(str(getattr(self.precision_plugin, "precision", ""))), self.flex_backend,
-            self.cp_comm_type, split,
-        )
+        precision = str(getattr(self.precision_plugin, "precision", ""))  # completes the options with FSDP2's policy
+        options = replace(self.parallel_options, mp_policy=sharding_mp_policy(precision))
+        gemm_choices = prepare_model_once(self.model, self.parallel_context, self.root_device, options, split)
         if not self._layout_announced:  # once the model holds the layout: the banner never claims one not applied
             rank_zero_info(
                 f"MoEStrategy: {self.parallel_context.dims.describe()}, dispatcher={self.dispatcher}, "
@@ -351,7 +352,7 @@ class MoEStrategy(CheckpointMethods, WorldCollectives, ParallelStrategy):
             self._patch_gradient_clipping()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         self.barrier()
 
     @property

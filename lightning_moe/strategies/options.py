@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_moe.parallel.context_parallel import CP_COMM_TYPES
-from lightning_moe.parallel.dispatchers import check_dispatcher
+from lightning_moe.parallel.options import ParallelOptions
 
 __all__ = ["SUPPORTED_START_METHODS", "check_strategy_options"]
 
@@ -12,22 +11,19 @@ SUPPORTED_START_METHODS = ("popen",)
 
 
 def check_strategy_options(
-    pipeline_parallel_size: int, context_parallel_size: int, dispatcher: str, start_method: str,
-    flex_backend: str = "auto", cp_comm_type: str = "p2p", sharding_strategy: str = "NO_SHARD",
+    pipeline_parallel_size: int, context_parallel_size: int, start_method: str, options: ParallelOptions,
     defer_gradient_reduction: bool = False,
 ) -> None:
     """Raise ``ValueError`` for an option `MoEStrategy` cannot honour (yet), saying what to use instead.
 
-    The pipeline options are checked by :func:`~lightning_moe.parallel.pipeline.runner.check_pipeline_options`.
+    ``options`` checked its own names when it was built; the pipeline options are checked by
+    :func:`~lightning_moe.parallel.pipeline.runner.check_pipeline_options`.
     """
     if pipeline_parallel_size < 1:
         raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size}: needs at least 1 stage.")
     if context_parallel_size < 1:
         raise ValueError(f"context_parallel_size={context_parallel_size}: needs at least 1 rank.")
-    if cp_comm_type not in CP_COMM_TYPES:
-        raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
-    check_dispatcher(dispatcher, flex_backend)
-    if defer_gradient_reduction and sharding_strategy == "NO_SHARD":
+    if defer_gradient_reduction and options.sharding_strategy == "NO_SHARD":
         raise ValueError(
             "defer_gradient_reduction=True applies to the sharded strategies (SHARD_GRAD_OP, FULL_SHARD); with "
             "sharding_strategy='NO_SHARD' the gradients are already reduced once per step, after the last "

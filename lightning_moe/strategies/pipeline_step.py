@@ -56,6 +56,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_moe.compat import set_skip_backward
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.model_plan import plan_of
 from lightning_moe.parallel.pipeline.runner import (
@@ -146,7 +147,7 @@ class PipelineDriver:
         """After the model preparation: split the network now if it was prepared already, switch off Lightning's backward."""
         if self.runner is None:  # the model held this layout already: prepare_model_once did not split it
             self.runner = self._runner(strategy)
-        trainer.fit_loop._skip_backward = True  # the schedule runs the backward: Lightning must not
+        set_skip_backward(trainer, True)  # the schedule runs the backward: Lightning must not
 
     def _check(self, strategy: Any, trainer: Any) -> None:
         module = strategy.lightning_module

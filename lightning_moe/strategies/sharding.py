@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture
 from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.parallel.gradient_sync import GradientSync
 from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.plugins.fp8 import MoEFP8Precision
@@ -66,7 +67,7 @@ def check_sharding_combination(
 def make_grad_sync(
     sharding_strategy: str, model: nn.Module, ctx: ParallelContext, bucket_size_mb: float, automatic_optimization: bool,
     grad_reduce_in_fp32: bool = True, defer_gradient_reduction: bool = False,
-) -> GradSync | ShardedGradSync:
+) -> GradientSync:
     """The gradient synchronisation of the strategy's model (``grad_reduce_in_fp32``: see `GradSync`;
     FSDP2 reduces in its `MixedPrecisionPolicy`'s dtype instead; ``defer_gradient_reduction``: see
     `ShardedGradSync`)."""

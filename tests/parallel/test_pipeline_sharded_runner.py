@@ -27,6 +27,7 @@ from lightning_moe.models import MoETransformer
 from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context
 from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.pipeline.runner import PipelineRunner
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.model_setup import prepare_model
@@ -43,7 +44,7 @@ def _step(ctx, device: torch.device, sharding: str, mp_policy=None, schedule: st
         runners.append(PipelineRunner(module, ctx, schedule, M, next_token_loss, device))
         return runners[0].shard_units()
 
-    prepare_model(model, ctx, device, "alltoall", sharding, mp_policy, split=split)
+    prepare_model(model, ctx, device, ParallelOptions("alltoall", sharding, mp_policy), split=split)
     sync = GradSync(model, ctx, 25.0, explicit_backward=True) if sharding == "NO_SHARD" else ShardedGradSync(model, ctx)
     set_aux_loss_scale(model, 1.0)
     inputs, targets = (t.to(device) for t in batch())

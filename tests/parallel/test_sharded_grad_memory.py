@@ -43,6 +43,7 @@ from lightning_moe.models import MoETransformer
 from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 from lightning_moe.parallel.grad_sync import GradSync
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.parallel.pipeline.runner import PipelineRunner
 from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 from lightning_moe.strategies.model_setup import prepare_model
@@ -115,7 +116,7 @@ def _pipeline(rank: int, world_size: int, sharding: str, defer: bool = False) ->
         runners.append(PipelineRunner(module, ctx, "1F1B", M, next_token_loss, torch.device("cpu")))
         return runners[0].shard_units()
 
-    prepare_model(model, ctx, torch.device("cpu"), "alltoall", sharding, split=split)
+    prepare_model(model, ctx, torch.device("cpu"), ParallelOptions("alltoall", sharding), split=split)
     sync = _sync(model, ctx, sharding, defer)
     set_aux_loss_scale(model, 1.0)
     held, shaped = [], []

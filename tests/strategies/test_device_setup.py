@@ -19,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from lightning_moe import MoEConfig
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context, is_expert_param
+from lightning_moe.parallel.options import ParallelOptions
 from lightning_moe.strategies.model_setup import prepare_model
 
 ACCELERATOR = torch.device("meta")
@@ -66,7 +67,7 @@ def test_prepare_model_moves_a_cpu_model_before_any_collective(device_only_world
     device_only_world(world)
     ctx = build_parallel_context(ParallelDims(world, **layout), ACCELERATOR.type)
     model = _transformer()
-    prepare_model(model, ctx, ACCELERATOR, "alltoall")
+    prepare_model(model, ctx, ACCELERATOR, ParallelOptions("alltoall"))
     tensors = [*model.parameters(), *model.buffers()]
     assert all(t.device.type == ACCELERATOR.type for t in tensors)
     experts = model.layers[1].ffn.experts
@@ -80,7 +81,7 @@ def test_prepare_model_keeps_meta_tensors_for_materialisation(device_only_world)
     model = torch.nn.Sequential(torch.nn.Linear(4, 32))
     with torch.device("meta"):
         model.append(_transformer().layers[1])
-    prepare_model(model, ctx, ACCELERATOR, "allgather")
+    prepare_model(model, ctx, ACCELERATOR, ParallelOptions("allgather"))
     assert model[0].weight.device == ACCELERATOR
 
 

@@ -5,7 +5,10 @@ safetensors weights of a Qwen3-MoE, Mixtral, OLMoE or DeepSeek-V3 directory; :fu
 (``model.save_pretrained``) writes the directory ``transformers`` loads for that family. No
 ``transformers`` import: the files are read directly (safetensors, the ``hf`` extra).
 
-* :mod:`.config_map` / :mod:`.config_export`: ``config.json`` <-> :class:`MoETransformerConfig`;
+* :mod:`.families`: one file per family (its config mapping, tensor names and quirks), each
+  registered in :mod:`.registry` (:func:`~.registry.family`, :data:`~.registry.FAMILIES`);
+* :mod:`.config_map` / :mod:`.config_export`: ``config.json`` <-> :class:`MoETransformerConfig`,
+  the machinery every family shares (:mod:`.fields`, :mod:`.softmax_family`);
 * :mod:`.weights`: tensor names, per-expert <-> stacked experts;
 * :mod:`.io`: safetensors files, shards and their index.
 * :mod:`.swap`: ``transformers`` models in memory, their MoE blocks replaced by `MoELayer` s and back.
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import lightning_moe.models.hf.families  # noqa: F401  (registers the built-in families before the registry is read)
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.hf.config_export import PASSTHROUGH_KEYS, config_to_hf, infer_family
 from lightning_moe.models.hf.config_map import FAMILIES, config_from_hf

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_moe.models.hf.io import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, weight_file
+from lightning_moe.models.hf.registry import FAMILIES
 
 __all__ = ["SIZE_LIMITS", "check_declared_sizes", "safetensors_shapes"]
 
@@ -34,9 +35,22 @@ SIZE_LIMITS: dict[str, tuple[int, int]] = {
 }
 """``config.json`` size field -> the inclusive range accepted (a field left out or ``null`` is not checked)."""
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|w1)\.weight$")
+
+
+def _expert_count_keys(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys that may hold the expert count: the family's own, else every registered family's."""
+    name = raw.get("model_type")
+    spec = FAMILIES.get(name) if isinstance(name, str) else None  # a crafted file may hold any JSON value
+    if spec is not None:
+        return spec.expert_count_keys
+    return tuple(dict.fromkeys(key for spec in FAMILIES.values() for key in spec.expert_count_keys))
+
+
+def _expert_pattern() -> re.Pattern[str]:
+    """An expert's gate projection on disk, in any registered family's naming (its index is group 1)."""
+    gates = "|".join(sorted({re.escape(spec.expert_names[0]) for spec in FAMILIES.values()}))
+    return re.compile(rf"\.experts\.(\d+)\.({gates})\.weight$")
 
 
 def _header(file: Path) -> dict[str, Any]:
@@ -115,11 +129,12 @@ def check_declared_sizes(folder: str | os.PathLike, raw: Mapping[str, Any]) -> N
     declared = raw.get("num_hidden_layers")
     if layers and declared is not None and declared > max(layers) + 1:
         raise _refuse(file, "num_hidden_layers", declared, f"the weights hold {max(layers) + 1} layers (model.layers.0-{max(layers)})")
-    experts = {int(m.group(1)) for key in shapes if (m := _EXPERT.search(key))}
-    count_key = next((key for key in _EXPERT_COUNT_KEYS if raw.get(key) is not None), None)
+    expert = _expert_pattern()
+    experts = {int(m.group(1)) for key in shapes if (m := expert.search(key))}
+    count_key = next((key for key in _expert_count_keys(raw) if raw.get(key) is not None), None)
     if experts and count_key is not None and raw[count_key] > max(experts) + 1:
         raise _refuse(file, count_key, raw[count_key], f"the weights hold {max(experts) + 1} experts per layer")
-    widths = {shape[0] for key, shape in shapes.items() if _EXPERT.search(key) and shape}
+    widths = {shape[0] for key, shape in shapes.items() if expert.search(key) and shape}
     width_key = "moe_intermediate_size" if raw.get("moe_intermediate_size") is not None else "intermediate_size"
     if len(widths) == 1 and raw.get(width_key) is not None and raw[width_key] not in widths:
         raise _refuse(file, width_key, raw[width_key], f"the weights' experts are {widths.pop()} wide")

@@ -26,10 +26,11 @@ from torch import Tensor
 from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.expert_state import fc1_checkpoint_view
 from lightning_moe.models.config import MoETransformerConfig
+from lightning_moe.models.hf.registry import family as _family
 
 __all__ = [
     "Source", "check_leftovers", "hf_defaults", "hf_pieces", "hf_sources", "hf_state_dict", "hf_tensors", "read_source",
-    "source_names",
+    "shared_mlp_sources", "source_names",
 ]
 
 # Our attention parameter -> Hugging Face's (MHA names are the same; MLA as in DeepseekV3Attention).
@@ -48,12 +49,12 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 
 
 def _moe_prefix(family: str) -> str:
-    return "block_sparse_moe" if family == "mixtral" else "mlp"
+    return _family(family).moe_prefix
 
 
 def _expert_names(family: str) -> tuple[str, str, str]:
     """(gate, up, down) projection names of one Hugging Face expert."""
-    return ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    return _family(family).expert_names
 
 
 def _hf_name(key: str, config: MoETransformerConfig, family: str) -> str:
@@ -95,6 +96,15 @@ Source = str | tuple
 """Where one of our tensors lies in a Hugging Face checkpoint: a tensor name (same shape), or
 ``("cat", dim, [sources])`` (the sources concatenated along ``dim``), or ``("stack", [sources])``
 (one source per index of a new dimension 0: the per-expert tensors)."""
+
+
+def shared_mlp_sources(prefix: str) -> dict[str, Source]:
+    """Where a shared expert's tensors lie in a block whose shared MLP is ``{prefix}.{gate,up,down}_proj``
+    (gate and up stacked into fc1)."""
+    return {
+        "shared_expert.fc1.weight": ("cat", 0, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]),
+        "shared_expert.fc2.weight": f"{prefix}.down_proj.weight",
+    }
 
 
 def source_names(source: Source) -> list[str]:
@@ -164,8 +174,9 @@ def check_leftovers(
 ) -> None:
     """Raise ``ValueError`` naming the checkpoint tensors that none of ``sources`` reads.
 
-    DeepSeek's multi-token-prediction layers (index ``>= num_layers``) are skipped with a warning
-    (this model does not implement MTP); a stored tied head and rotary tables are ignored.
+    Layers past ``num_layers`` of a family that declares them (``Family.trailing_layers``:
+    DeepSeek's multi-token prediction) are skipped with a warning; a stored tied head and rotary
+    tables are ignored.
     """
     used = {name for source in sources.values() for name in source_names(source)}
     if config.tie_embeddings:
@@ -202,11 +213,12 @@ def hf_state_dict(
 
 def _check_leftovers(leftovers: set[str], config: MoETransformerConfig, family: str) -> None:
     mtp = {k for k in leftovers if (m := _HF_LAYER_KEY.match(k)) and int(m.group(1)) >= config.num_layers}
-    if mtp and family == "deepseek_v3":
+    trailing = _family(family).trailing_layers
+    if mtp and trailing is not None:
+        what, why = trailing
         warnings.warn(
-            f"Skipped {len(mtp)} tensor(s) of DeepSeek-V3's multi-token-prediction module (model.layers."
-            f"{config.num_layers}.* and later): multi-token prediction is not implemented, the main model is "
-            "loaded in full.",
+            f"Skipped {len(mtp)} tensor(s) of {what} (model.layers.{config.num_layers}.* and later): {why}, "
+            "the main model is loaded in full.",
             UserWarning,
             stacklevel=5,
         )
@@ -248,16 +260,10 @@ def hf_pieces(key: str, value: Tensor, config: MoETransformerConfig, family: str
 
 def hf_defaults(names: Iterable[str], config: MoETransformerConfig, family: str) -> dict[str, Tensor]:
     """Tensors the family always has that a model without them writes as their neutral value
-    (DeepSeek-V3's score-correction bias, zeros), for those not among ``names``."""
-    if family != "deepseek_v3":
-        return {}
-    names = set(names)
-    out = {}
-    for index in config.moe_layers:
-        name = f"model.layers.{index}.mlp.gate.e_score_correction_bias"
-        if name not in names:
-            out[name] = torch.zeros(config.moe.num_experts, dtype=torch.float32)
-    return out
+    (DeepSeek-V3's score-correction bias, zeros), for those not among ``names``
+    (``Family.weight_defaults``)."""
+    make = _family(family).weight_defaults
+    return {} if make is None else make(set(names), config)
 
 
 def hf_tensors(state: Mapping[str, Tensor], config: MoETransformerConfig, family: str) -> dict[str, Tensor]:

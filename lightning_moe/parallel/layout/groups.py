@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_moe.compat import register_fake_backend
 from lightning_moe.parallel.layout.dims import GROUP_NAMES, MESH_DIM_NAMES, ParallelDims, RankCoords
 
 __all__ = ["CRITICAL_PATH_GROUPS", "UNBUILT_GROUPS", "ParallelContext", "build_parallel_context"]
@@ -203,8 +204,9 @@ def _one_rank_group(timeout: timedelta | None) -> dist.ProcessGroup:
 
     A collective over one rank is the identity, and the fake backend computes exactly that for a
     group of size 1 (it copies inputs to outputs and reduces nothing). torch registers the backend
-    in the module imported here (shipped with torch, used by ``DeviceMesh`` for disabled dims)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    in the module :func:`~lightning_moe.compat.register_fake_backend` imports (shipped with torch,
+    used by ``DeviceMesh`` for disabled dims)."""
+    register_fake_backend()
 
     return dist.new_group(
         [dist.get_rank()], timeout=timeout, backend="fake", use_local_synchronization=True,

@@ -75,6 +75,7 @@ from torch.distributed.pipelining.schedules import (  # private: see _forward_on
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.parallel.gradient_sync import GradientSync
 from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import plan_of
 from lightning_moe.parallel.pipeline.loss import TargetWeightedLoss
@@ -88,7 +89,6 @@ from lightning_moe.parallel.pipeline.split import (
     trim_to_stages,
 )
 from lightning_moe.parallel.pipeline.stage_failure import describe_peer_failure, publish_failure
-from lightning_moe.parallel.sharded_grad_sync import ShardedGradSync
 
 __all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options", "sharded_schedule_problem"]
 
@@ -431,10 +431,10 @@ class PipelineRunner:
             loss = loss / dist.get_world_size(self._cp_group)
         return loss
 
-    def step(self, inputs: Tensor, targets: Tensor, grad_sync=None) -> Tensor:
+    def step(self, inputs: Tensor, targets: Tensor, grad_sync: GradientSync | None = None) -> Tensor:
         """Forward and backward of one batch; returns its mean loss (the same on every rank).
 
-        ``grad_sync`` (a :class:`~lightning_moe.parallel.grad_sync.GradSync`, optional) is armed
+        ``grad_sync`` (a :class:`~lightning_moe.parallel.gradient_sync.GradientSync`, optional) is armed
         for the schedule's backward passes, held in ``no_sync`` until the schedule is done, then
         finished: a ``GradSync`` reduces the gradients once; a
         :class:`~lightning_moe.parallel.sharded_grad_sync.ShardedGradSync` reduce-scattered each
@@ -448,8 +448,7 @@ class PipelineRunner:
             try:
                 with grad_sync.no_sync():
                     loss = self._run(inputs, targets, train=True)
-                if isinstance(grad_sync, ShardedGradSync):
-                    grad_sync.reduce_accumulated()
+                grad_sync.reduce_accumulated()
             finally:
                 grad_sync.end_backward()
             grad_sync.finish()

@@ -24,6 +24,8 @@ import time
 
 import torch.distributed as dist
 
+from lightning_moe.compat import default_store
+
 __all__ = ["PipelineStageError", "describe_peer_failure", "looks_like_transport_error", "publish_failure"]
 
 _KEY = "lightning_moe/pipeline_failure/{rank}"
@@ -37,7 +39,7 @@ class PipelineStageError(RuntimeError):
 
 def _store():
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except Exception:  # no default group, or it was destroyed
         return None
 

@@ -1,6 +1,7 @@
 """The ``transformers`` sparse-MoE blocks that :func:`~lightning_moe.swap_moe_blocks` replaces, one entry per family.
 
-Each :class:`BlockFamily` names the block's class (``transformers`` 5.x, matched by module and
+The entries are built from the family registry (:mod:`lightning_moe.models.hf.families`, each
+family's ``block_class`` and ``block_weights``). Each :class:`BlockFamily` names the block's class (``transformers`` 5.x, matched by module and
 name, so nothing here imports ``transformers``) and where every tensor of the equivalent
 :class:`~lightning_moe.MoELayer` lies in the block's own state dict. The routing of each family
 (softmax before or after top-k, ``norm_topk_prob``, DeepSeek-V3's sigmoid scores, correction bias,
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from lightning_moe.models.hf.registry import FAMILIES
 from lightning_moe.models.hf.weights import Source
 
 __all__ = ["BLOCK_FAMILIES", "BlockFamily", "block_family"]
@@ -57,38 +59,15 @@ _ROUTED = {
 }
 
 
-def _shared(prefix: str) -> dict[str, Source]:
-    """The shared expert's MLP ``{prefix}.{gate,up,down}_proj`` (gate and up stacked into fc1)."""
-    return {
-        "shared_expert.fc1.weight": ("cat", 0, [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]),
-        "shared_expert.fc2.weight": f"{prefix}.down_proj.weight",
-    }
-
-
-def _family(family: str, class_name: str, extra: Mapping[str, Source] | None = None) -> BlockFamily:
+def _block(family: str, class_name: str, extra: Mapping[str, Source]) -> BlockFamily:
     module = f"transformers.models.{family}.modeling_{family}"
-    return BlockFamily(family, module, class_name, MappingProxyType({**_ROUTED, **(extra or {})}))
+    return BlockFamily(family, module, class_name, MappingProxyType({**_ROUTED, **extra}))
 
 
-BLOCK_FAMILIES: tuple[BlockFamily, ...] = (
-    # Mixtral: softmax, top-k, renormalised.
-    _family("mixtral", "MixtralSparseMoeBlock"),
-    # Qwen2-MoE: softmax, top-k, renormalised iff norm_topk_prob; a shared expert scaled by
-    # sigmoid(shared_expert_gate(x)).
-    _family("qwen2_moe", "Qwen2MoeSparseMoeBlock", {
-        **_shared("shared_expert"), "shared_expert.gate.weight": "shared_expert_gate.weight",
-    }),
-    # Qwen3-MoE: softmax, top-k, renormalised iff norm_topk_prob.
-    _family("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-    # OLMoE: as Qwen3-MoE.
-    _family("olmoe", "OlmoeSparseMoeBlock"),
-    # DeepSeek-V3: sigmoid scores, the score-correction bias for selection only (our expert bias),
-    # group-limited top-k, renormalised, times routed_scaling_factor; ungated shared experts.
-    _family("deepseek_v3", "DeepseekV3MoE", {
-        "router.expert_bias": "gate.e_score_correction_bias", **_shared("shared_experts"),
-    }),
+BLOCK_FAMILIES: tuple[BlockFamily, ...] = tuple(
+    _block(spec.name, spec.block_class, spec.block_weights) for spec in FAMILIES.values() if spec.block_class
 )
-"""Every supported block, in the order errors list them."""
+"""Every supported block, in the order errors list them (the registry's order)."""
 
 _BY_CLASS = MappingProxyType({(f.module, f.class_name): f for f in BLOCK_FAMILIES})
 

@@ -1,0 +1,189 @@
+"""Every private torch and Lightning API the product code relies on, one small function each.
+
+Private APIs change without deprecation, so each use lives here, named for what it does, with the
+version it was checked against (torch 2.13, Lightning 2.6; earlier versions are not claimed unless
+named): an upgrade that moves one breaks here, in one place, and the rest of the package calls a
+stable name. Lightning is imported
+inside the functions that need it: the core subpackages import this module and must run without
+Lightning (plain torchrun scripts).
+
+Not routed here (not a mechanical change): the private aten/torch kernels called as ops
+(``torch._scaled_mm``, ``torch._scaled_grouped_mm``, ``aten._scaled_dot_product_flash_attention*``,
+``mkldnn._linear_pointwise``), the planner's fake-tensor and FSDP2 instrumentation, the
+checkpoint readers' private helpers, and Lightning's ``_SubprocessScriptLauncher``, which the
+strategy's launcher subclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as _local_shape_and_offset
+from torch.utils import _pytree
+
+__all__ = [
+    "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store", "device_constructors",
+    "dtensor_op_dispatcher", "format_summary_table", "fsdp_finish_root_backward", "fsdp_lazy_init", "fsdp_param_groups",
+    "fsdp_root_states", "fsdp_shared_states", "fsdp_state", "init_dist_connection", "optimizers_to_device", "register_fake_backend",
+    "set_default_group_timeout", "set_num_threads_if_needed", "set_skip_backward", "sync_ddp_if_available", "tree_flatten", "tree_map_only",
+]
+
+
+# --- torch -------------------------------------------------------------------------------------
+
+
+def fsdp_state(unit: torch.nn.Module) -> Any:
+    """The FSDP2 state of a ``fully_shard`` unit: ``unit._get_fsdp_state()`` (torch 2.13; the
+    same private call ``torch.distributed.pipelining.stage`` makes)."""
+    return unit._get_fsdp_state()
+
+
+def fsdp_param_groups(state: Any) -> list:
+    """The parameter groups of an FSDP2 state: torch >= 2.13 keeps a list ``_fsdp_param_groups``
+    (one unit may hold several); earlier versions one ``_fsdp_param_group`` or None."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def fsdp_lazy_init(state: Any) -> None:
+    """Run FSDP2's lazy initialisation of a root state now (``_lazy_init``, torch 2.13; a no-op
+    once it ran)."""
+    state._lazy_init()
+
+
+def fsdp_shared_states(state: Any) -> list:
+    """Every FSDP2 state sharing ``state``'s context: a root's and its units' (``_state_ctx.all_states``,
+    torch 2.13)."""
+    return list(state._state_ctx.all_states)
+
+
+def fsdp_root_states(units: Iterable[torch.nn.Module]) -> list:
+    """The root FSDP2 states of ``units``: a root and its units share one ``_state_ctx`` (torch
+    2.13, from the first forward on), whose ``all_states`` the roots (``_is_root``) are among."""
+    contexts = {id(state._state_ctx): state._state_ctx for state in map(fsdp_state, units)}
+    return [state for context in contexts.values() for state in context.all_states if state._is_root]
+
+
+def fsdp_finish_root_backward(root_state: Any) -> None:
+    """Run FSDP2's end-of-backward callback of a root state (``_root_post_backward_final_callback``,
+    torch 2.13): waits for the reductions and resets the units for the next step."""
+    root_state._root_post_backward_final_callback()
+
+
+def dtensor_op_dispatcher() -> Any:
+    """DTensor's operator dispatcher (``DTensor._op_dispatcher``, torch 2.13): holds the
+    implicit-replication flag and the sharding propagator with its caches."""
+    return DTensor._op_dispatcher
+
+
+def compute_local_shape_and_global_offset(global_shape, mesh, placements) -> tuple:
+    """``(local shape, global offset)`` of this rank's piece of a DTensor of ``global_shape``
+    (``torch.distributed.tensor._utils``, torch 2.13)."""
+    return _local_shape_and_offset(global_shape, mesh, placements)
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """``(leaves, spec)`` of a nested container (``torch.utils._pytree.tree_flatten``, torch 2.13)."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_map_only(kind: type | tuple[type, ...], fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to its leaves of type ``kind`` (``torch.utils._pytree``, torch 2.13)."""
+    return _pytree.tree_map_only(kind, fn, tree)
+
+
+def device_constructors() -> set:
+    """The torch functions that take a ``device=`` and create a tensor
+    (``torch.utils._device._device_constructors``, torch 2.13)."""
+    from torch.utils._device import _device_constructors
+
+    return _device_constructors()
+
+
+def set_default_group_timeout(timeout: Any) -> None:
+    """Set the timeout of the default process group's collectives after it was created
+    (``torch.distributed.distributed_c10d._set_pg_timeout``, torch 2.13)."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group; raises when there is none
+    (``torch.distributed.distributed_c10d._get_default_store``, torch 2.13)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def register_fake_backend() -> type:
+    """Register torch's ``"fake"`` process-group backend (every collective answers at once, nothing
+    is sent) and return its ``FakeStore`` class (``torch.testing._internal.distributed.fake_pg``,
+    torch 2.13)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore
+
+
+# --- Lightning ---------------------------------------------------------------------------------
+
+
+def set_skip_backward(trainer: Any, skip: bool) -> None:
+    """Switch Lightning's own backward (and ``zero_grad``) in the fit loop off or on
+    (``trainer.fit_loop._skip_backward``, Lightning 2.6; ``StochasticWeightAveraging`` uses it)."""
+    trainer.fit_loop._skip_backward = skip
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    """Lightning's default process-group backend for ``device`` (nccl on CUDA, gloo otherwise;
+    ``lightning.fabric.utilities.distributed._get_default_process_group_backend_for_device``, Lightning 2.6)."""
+    from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+    return _get_default_process_group_backend_for_device(device)
+
+
+def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the optimizers' state to ``device`` (``lightning.fabric.utilities.optimizer._optimizers_to_device``,
+    Lightning 2.6)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def sync_ddp_if_available(tensor: Tensor, group: Any = None, reduce_op: Any = None) -> Tensor:
+    """Lightning's all-reduce of ``tensor`` when a process group is up, ``tensor`` otherwise
+    (``lightning.fabric.utilities.distributed._sync_ddp_if_available``, Lightning 2.6)."""
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """Lightning's default of ``torch`` CPU threads per process when ``OMP_NUM_THREADS`` is unset
+    (``lightning.fabric.utilities.distributed._set_num_threads_if_needed``, Lightning 2.6)."""
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+    _set_num_threads_if_needed(num_processes=num_processes)
+
+
+def init_dist_connection(environment: Any, backend: str, **kwargs: Any) -> None:
+    """Lightning's ``init_process_group`` from a cluster environment
+    (``lightning.fabric.utilities.distributed._init_dist_connection``, Lightning 2.6)."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    _init_dist_connection(environment, backend, **kwargs)
+
+
+def format_summary_table(*args: Any, **kwargs: Any) -> str:
+    """Lightning's model-summary table text
+    (``lightning.pytorch.utilities.model_summary.model_summary._format_summary_table``, Lightning 2.6)."""
+    from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+
+    return _format_summary_table(*args, **kwargs)

@@ -1,0 +1,67 @@
+"""What the softmax-routed families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) share, used by their files.
+
+Their routers are all softmax over every expert then top-k, renormalised or not; their
+``config.json`` differ only in key names and a few quirks, which each family's file gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_moe.layers.config import MoEConfig
+from lightning_moe.models.config import MoETransformerConfig
+from lightning_moe.models.hf.fields import Fields, aux_loss
+
+__all__ = ["refuse_sliding_window", "softmax_fields", "softmax_moe", "softmax_router_problems"]
+
+
+def softmax_moe(fields: Fields, ffn_key: str, renormalise: bool, shared: dict[str, Any] | None = None) -> MoEConfig:
+    """The :class:`MoEConfig` of a softmax, top-k block whose experts are ``fields[ffn_key]`` wide;
+    ``renormalise``: the top-k probabilities are renormalised (our post-softmax)."""
+    return MoEConfig(
+        hidden_size=int(fields["hidden_size"]), ffn_hidden_size=int(fields[ffn_key]),
+        num_experts=fields.expert_count(),
+        top_k=int(fields["num_experts_per_tok"]), score_func="softmax", pre_softmax=not renormalise,
+        init_std=float(fields["initializer_range"]), **(shared or {}), **aux_loss(fields["router_aux_loss_coef"]),
+    )
+
+
+def refuse_sliding_window(fields: Fields, window: int | None) -> None:
+    """Refuse a ``window`` that binds (below ``max_position_embeddings``): attention is full causal here."""
+    if window is not None and window < fields["max_position_embeddings"]:
+        raise ValueError(
+            f"sliding_window={window} (below max_position_embeddings={fields['max_position_embeddings']}) is "
+            "not supported: attention is full causal here. Use a model without a sliding window."
+        )
+
+
+def softmax_router_problems(
+    config: MoETransformerConfig, family: str, *, always_renormalises: bool = False, dense_layers: bool = False
+) -> list[str]:
+    """What of ``config``'s routing a softmax ``family`` cannot hold; ``always_renormalises``: the
+    family has no ``norm_topk_prob``; ``dense_layers``: it allows dense layers between MoE ones."""
+    moe, problems = config.moe, []
+    if moe.score_func != "softmax":
+        problems.append(f"score_func={moe.score_func!r}, {family} routes with softmax")
+    if always_renormalises and moe.pre_softmax:
+        problems.append(f"pre_softmax=True: {family} always renormalises the top-k probabilities")
+    if moe.num_groups is not None or moe.expert_bias or moe.topk_scaling_factor not in (None, 1.0):
+        problems.append(f"group-limited routing, expert bias and topk_scaling_factor do not exist in {family}")
+    if moe.shared_expert_ffn_hidden_size:
+        problems.append(f"{family} has no shared expert")
+    dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    if dense and not dense_layers:
+        problems.append(f"layers {dense} are dense, every {family} layer is MoE")
+    return problems
+
+
+def softmax_fields(config: MoETransformerConfig, *, head_dim: bool = True) -> dict[str, Any]:
+    """The ``config.json`` keys every softmax family writes alike; ``head_dim``: the family stores one."""
+    moe = config.moe
+    fields = {
+        "num_key_value_heads": config.kv_heads, "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_coeffs.get("aux_loss", 0.0), "attention_bias": False,
+    }
+    if config.head_dim is not None and head_dim:
+        fields["head_dim"] = config.head_dim
+    return fields
