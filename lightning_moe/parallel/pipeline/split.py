@@ -62,7 +62,10 @@ def pipeline_parts_of(model: nn.Module) -> PipelineParts:
     result = parts()
     if not isinstance(result, PipelineParts):
         raise TypeError(f"{type(model).__name__}'s pipeline parts are a {type(result).__name__}, not PipelineParts.")
-    if not isinstance(getattr(model, result.blocks, None), nn.ModuleList):
+    blocks = getattr(model, result.blocks, None)
+    # A model trimmed to its stages by an earlier run (a second fit or validate) holds them in a ModuleDict.
+    trimmed = isinstance(blocks, nn.ModuleDict) and trim_record(model) is not None
+    if not isinstance(blocks, nn.ModuleList) and not trimmed:
         raise TypeError(f"{type(model).__name__}.{result.blocks} (PipelineParts.blocks) is not an nn.ModuleList.")
     return result
 
