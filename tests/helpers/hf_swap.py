@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from helpers.hf import random_hf_model
+
 __all__ = ["SWAP_FAMILIES", "tiny_moe_config", "tiny_moe_model"]
 
 SWAP_FAMILIES = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
@@ -49,16 +51,4 @@ def tiny_moe_config(family: str, **changes):
 
 def tiny_moe_model(family: str, seed: int = 0, **changes) -> torch.nn.Module:
     """The causal LM of :func:`tiny_moe_config`, random (``seed``), in eval mode."""
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family, **changes)).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:  # norms start at ones
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
-    return model
+    return random_hf_model(tiny_moe_config(family, **changes), seed)

@@ -22,6 +22,7 @@ import json
 import pytest
 import torch
 from helpers.asserts import assert_close_to_scale
+from helpers.hf import random_hf_model
 
 from lightning_moe import MoEConfig
 from lightning_moe.models import MoETransformer, MoETransformerConfig
@@ -77,17 +78,7 @@ def _family_configs() -> dict[str, object]:
 
 
 def _build_hf(config) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:  # norms start at ones
-                param.add_(0.2 * torch.randn(param.shape, generator=generator))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
-    return model
+    return random_hf_model(config, seed=0)
 
 
 @pytest.fixture(scope="module", params=sorted(_family_configs()))
