@@ -86,7 +86,8 @@ def test_only_the_first_batch_of_a_stage_is_checked_unless_check_every_batch():
 
 
 def _text_data(tmp_path) -> TextDataModule:
-    (tmp_path / "a.txt").write_text("hello world, " * 40)
+    """The corpus ``tmp_path / "a.txt"`` (written once, before the ranks start: a rank truncating it
+    while another reads it made that rank's corpus empty)."""
     data = TextDataModule(str(tmp_path / "a.txt"), seq_len=SEQ, batch_size=2, val_fraction=0.0)
     data.setup("fit")
     tokens = data.train_set.tokens
@@ -95,6 +96,7 @@ def _text_data(tmp_path) -> TextDataModule:
 
 
 def test_the_data_module_refuses_a_batch_with_an_id_past_its_tokenizer(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world, " * 40)
     data = _text_data(tmp_path)
     batch = next(iter(data.train_dataloader()))
     with pytest.raises(TokenIdError, match=rf"a data batch's inputs: token id 319 .*vocab_size={data.vocab_size}\)"):
@@ -119,5 +121,6 @@ def _fit_tp2(rank: int, world: int, tmp: str) -> dict:
 @pytest.mark.distributed
 def test_out_of_range_ids_fail_at_tp2_instead_of_training_on_zero_embeddings(tmp_path):
     (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("hello world, " * 40)
     results = run_distributed(_fit_tp2, 2, str(tmp_path / "corpus"), timeout_s=120, tmp_dir=tmp_path)
     assert results[0] == results[1]
