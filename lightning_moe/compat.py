@@ -26,10 +26,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils import _pytree
 
 __all__ = [
-    "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store", "device_constructors",
-    "dtensor_op_dispatcher", "format_summary_table", "fsdp_finish_root_backward", "fsdp_lazy_init", "fsdp_param_groups",
-    "fsdp_root_states", "fsdp_shared_states", "fsdp_state", "init_dist_connection", "optimizers_to_device", "register_fake_backend",
-    "set_default_group_timeout", "set_num_threads_if_needed", "set_skip_backward", "sync_ddp_if_available", "tree_flatten", "tree_map_only",
+    "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store",
+    "device_constructors", "dtensor_op_dispatcher", "format_summary_table", "fsdp_finish_root_backward",
+    "fsdp_lazy_init", "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state",
+    "init_dist_connection", "is_runtime_schedule", "keep_forward_actions",
+    "optimizers_to_device", "register_fake_backend", "set_default_group_timeout",
+    "set_num_threads_if_needed", "set_skip_backward",
+    "sync_ddp_if_available", "tree_flatten",
+    "tree_map_only",
 ]
 
 
@@ -130,6 +134,37 @@ def register_fake_backend() -> type:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore
+
+
+def is_runtime_schedule(schedule: Any) -> bool:
+    """Whether a pipeline schedule is a multi-stage one run from an action plan
+    (``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``, torch 2.13)."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    return isinstance(schedule, _PipelineScheduleRuntime)
+
+
+def keep_forward_actions(schedule: Any) -> None:
+    """Keep only the forward actions of a multi-stage schedule's plan, its communication re-derived
+    (``torch.distributed.pipelining.schedules``' ``_add_unshard_reshard``, ``_add_send_recv``,
+    ``_ComputationType``, ``_num_stages``, torch 2.13).
+
+    ``eval()`` of the V-shaped ZBV schedule in torch 2.13 still runs its backward actions and
+    fails ("can't steal_bwd_input if this stage doesn't have backward"). The forward actions in
+    their planned order stay deadlock-free: a forward depends only on earlier forwards. Lowered
+    as ``_prepare_schedule_with_comms`` does, minus its check that every micro-batch has a backward.
+    """
+    from torch.distributed.pipelining.schedules import _add_send_recv, _add_unshard_reshard, _ComputationType
+
+    order = {
+        rank: _add_unshard_reshard(
+            [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
+        )
+        for rank, actions in schedule.pipeline_order.items()
+    }
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        order, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages
+    )
 
 
 # --- Lightning ---------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ ROUTED = (
     "_op_dispatcher", "torch.utils._pytree", "torch.utils._device", "distributed.fake_pg", "_skip_backward",
     "_get_default_process_group_backend_for_device", "_optimizers_to_device", "_sync_ddp_if_available",
     "_set_num_threads_if_needed", "_init_dist_connection", "_format_summary_table", "_set_pg_timeout",
-    "_get_default_store",
+    "_get_default_store", "pipelining.schedules", "_PipelineScheduleRuntime", "_add_send_recv",
+    "_add_unshard_reshard", "_ComputationType", "_num_stages",
 )
 
 # A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...).
