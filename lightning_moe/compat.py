@@ -7,11 +7,10 @@ stable name. Lightning is imported
 inside the functions that need it: the core subpackages import this module and must run without
 Lightning (plain torchrun scripts).
 
-Not routed here (not a mechanical change): the private aten/torch kernels called as ops
-(``torch._scaled_mm``, ``torch._scaled_grouped_mm``, ``aten._scaled_dot_product_flash_attention*``,
-``mkldnn._linear_pointwise``), the planner's fake-tensor and FSDP2 instrumentation, the
-checkpoint readers' private helpers, and Lightning's ``_SubprocessScriptLauncher``, which the
-strategy's launcher subclasses.
+Not routed here yet: the private aten/torch kernels called as ops (``torch._scaled_mm``,
+``torch._scaled_grouped_mm``, ``aten._scaled_dot_product_flash_attention*``,
+``mkldnn._linear_pointwise``), the planner's fake-tensor and FSDP2 instrumentation, and
+Lightning's ``_SubprocessScriptLauncher``, which the strategy's launcher subclasses.
 """
 
 from __future__ import annotations
@@ -29,11 +28,11 @@ __all__ = [
     "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store",
     "device_constructors", "dtensor_op_dispatcher", "format_summary_table", "fsdp_finish_root_backward",
     "fsdp_lazy_init", "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state",
-    "init_dist_connection", "is_runtime_schedule", "keep_forward_actions",
-    "optimizers_to_device", "register_fake_backend", "set_default_group_timeout",
-    "set_num_threads_if_needed", "set_skip_backward",
-    "sync_ddp_if_available", "tree_flatten",
-    "tree_map_only",
+    "init_dist_connection", "is_runtime_schedule", "keep_forward_actions", "layout_lookup_global",
+    "optimizers_to_device", "register_fake_backend", "set_default_group_timeout", "set_element",
+    "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at", "storage_alignment",
+    "storage_identity", "storage_type_name", "sync_ddp_if_available", "tensor_rebuild_function", "tree_flatten",
+    "tree_map_only", "typed_storage_parts",
 ]
 
 
@@ -165,6 +164,61 @@ def keep_forward_actions(schedule: Any) -> None:
     schedule.pipeline_order_with_comms = _add_send_recv(
         order, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages
     )
+
+
+def shard_shape_and_offset_at(global_shape, mesh_shape, coordinate, placements) -> tuple:
+    """``(local shape, global offset)`` of the DTensor piece at mesh ``coordinate`` of a mesh of
+    ``mesh_shape``, any rank's, not only this one's
+    (``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``, torch 2.13)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return _compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)
+
+
+def set_element(root: Any, path: Any, value: Any) -> None:
+    """Set the value at ``path`` (a DCP object path) of a nested state dict, creating the containers
+    on the way (``torch.distributed.checkpoint._traverse.set_element``, torch 2.13)."""
+    from torch.distributed.checkpoint._traverse import set_element as _set_element
+
+    _set_element(root, path, value)
+
+
+def layout_lookup_global() -> tuple[tuple[str, str], Callable[[str], Any]]:
+    """``((module, name), function)`` of the global DCP's pickled metadata calls to turn a layout's
+    string into a ``torch.layout`` (``torch.serialization._get_layout``, torch 2.13)."""
+    return ("torch.serialization", "_get_layout"), torch.serialization._get_layout
+
+
+def tensor_rebuild_function() -> Callable[..., Tensor]:
+    """The function ``torch.save`` pickles a plain CPU tensor as a call of, with arguments
+    ``(storage, offset, shape, stride, requires_grad, hooks)`` (``torch._utils._rebuild_tensor_v2``,
+    torch 2.13)."""
+    return torch._utils._rebuild_tensor_v2
+
+
+def storage_type_name(dtype: torch.dtype) -> str:
+    """The name of the legacy typed-storage class ``torch.save`` pickles for ``dtype``, e.g.
+    ``"FloatStorage"`` (``torch.storage._dtype_to_storage_type_map``, torch 2.13)."""
+    return torch.storage._dtype_to_storage_type_map()[dtype]
+
+
+def storage_alignment() -> int:
+    """The alignment in bytes of the storage records in a ``torch.save`` archive
+    (``torch.serialization._get_storage_alignment``, torch 2.13)."""
+    return torch.serialization._get_storage_alignment()
+
+
+def typed_storage_parts(typed: Any) -> tuple[Any, str, int]:
+    """``(untyped storage, legacy storage class name, number of elements)`` of a ``TypedStorage``, the
+    parts ``torch.save`` pickles it as (``_untyped_storage``, ``_pickle_storage_type``, ``_size``,
+    torch 2.13)."""
+    return typed._untyped_storage, typed._pickle_storage_type(), typed._size()
+
+
+def storage_identity(storage: Any) -> int:
+    """A key equal for the handles of one storage while it lives (``UntypedStorage._cdata``, the C
+    pointer ``torch.save`` de-duplicates storages by, torch 2.13)."""
+    return storage._cdata
 
 
 # --- Lightning ---------------------------------------------------------------------------------
