@@ -7,10 +7,10 @@ stable name. Lightning is imported
 inside the functions that need it: the core subpackages import this module and must run without
 Lightning (plain torchrun scripts).
 
-Not routed here yet: the private aten/torch kernels called as ops (``torch._scaled_mm``,
-``torch._scaled_grouped_mm``, ``aten._scaled_dot_product_flash_attention*``,
-``mkldnn._linear_pointwise``), the planner's fake-tensor and FSDP2 instrumentation, and
-Lightning's ``_SubprocessScriptLauncher``, which the strategy's launcher subclasses.
+Not routed here yet: ``mkldnn._linear_pointwise`` (``layers/cpu_gemm.py``: ``layers/`` imports
+torch only, and this module imports ``torch.distributed``), the planner's fake-tensor and FSDP2
+instrumentation, and Lightning's ``_SubprocessScriptLauncher``, which the strategy's launcher
+subclasses.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from torch.utils import _pytree
 
 __all__ = [
     "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store",
-    "device_constructors", "dtensor_op_dispatcher", "format_summary_table", "fsdp_finish_root_backward",
+    "device_constructors", "dtensor_op_dispatcher", "flash_attention_cpu", "flash_attention_cpu_backward",
+    "flash_attention_cuda", "flash_attention_cuda_backward", "format_summary_table", "fsdp_finish_root_backward",
     "fsdp_lazy_init", "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state",
-    "init_dist_connection", "is_runtime_schedule", "keep_forward_actions", "layout_lookup_global",
-    "optimizers_to_device", "register_fake_backend", "set_default_group_timeout", "set_element",
-    "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at", "storage_alignment",
-    "storage_identity", "storage_type_name", "sync_ddp_if_available", "tensor_rebuild_function", "tree_flatten",
-    "tree_map_only", "typed_storage_parts",
+    "has_scaled_grouped_mm", "init_dist_connection", "is_runtime_schedule", "keep_forward_actions",
+    "layout_lookup_global", "optimizers_to_device", "register_fake_backend", "scaled_grouped_mm", "scaled_mm",
+    "set_default_group_timeout", "set_element", "set_num_threads_if_needed", "set_skip_backward",
+    "shard_shape_and_offset_at", "storage_alignment", "storage_identity", "storage_type_name",
+    "sync_ddp_if_available", "tensor_rebuild_function", "tree_flatten", "tree_map_only", "typed_storage_parts",
 ]
 
 
@@ -219,6 +220,47 @@ def storage_identity(storage: Any) -> int:
     """A key equal for the handles of one storage while it lives (``UntypedStorage._cdata``, the C
     pointer ``torch.save`` de-duplicates storages by, torch 2.13)."""
     return storage._cdata
+
+
+def scaled_mm(*args: Any, **kwargs: Any) -> Tensor:
+    """PyTorch's scaled FP8 GEMM (``torch._scaled_mm``, torch 2.13: ``(a, b, scale_a=, scale_b=,
+    out_dtype=, use_fast_accum=)``); looked up at each call, so a patched ``torch._scaled_mm`` is used."""
+    return torch._scaled_mm(*args, **kwargs)
+
+
+def has_scaled_grouped_mm() -> bool:
+    """Whether this torch has the grouped scaled FP8 GEMM (``torch._scaled_grouped_mm``, torch 2.13)."""
+    return hasattr(torch, "_scaled_grouped_mm")
+
+
+def scaled_grouped_mm(*args: Any, **kwargs: Any) -> Tensor:
+    """PyTorch's grouped scaled FP8 GEMM (``torch._scaled_grouped_mm``, torch 2.13, CUDA sm90+:
+    ``(a, b, scale_a, scale_b, offs=, out_dtype=, use_fast_accum=)``)."""
+    return torch._scaled_grouped_mm(*args, **kwargs)
+
+
+def flash_attention_cpu(*args: Any, **kwargs: Any) -> tuple:
+    """PyTorch's fused CPU attention forward, ``(out, lse)``
+    (``aten._scaled_dot_product_flash_attention_for_cpu``, torch 2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
+
+
+def flash_attention_cpu_backward(*args: Any, **kwargs: Any) -> tuple:
+    """PyTorch's fused CPU attention backward, ``(dq, dk, dv)``
+    (``aten._scaled_dot_product_flash_attention_for_cpu_backward``, torch 2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
+
+
+def flash_attention_cuda(*args: Any, **kwargs: Any) -> tuple:
+    """PyTorch's CUDA flash-attention forward, ``(out, lse, cum_q, cum_k, max_q, max_k, rng_state,
+    unused, debug_mask)`` (``aten._scaled_dot_product_flash_attention``, torch 2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(*args, **kwargs)
+
+
+def flash_attention_cuda_backward(*args: Any, **kwargs: Any) -> tuple:
+    """PyTorch's CUDA flash-attention backward, ``(dq, dk, dv)``
+    (``aten._scaled_dot_product_flash_attention_backward``, torch 2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)
 
 
 # --- Lightning ---------------------------------------------------------------------------------

@@ -25,10 +25,18 @@ ROUTED = (
     "_add_unshard_reshard", "_ComputationType", "_num_stages", "_rebuild_tensor_v2", "_get_storage_alignment",
     "_dtype_to_storage_type_map", "checkpoint._traverse", "_get_layout", "tensor._utils",
     "_compute_local_shape_and_global_offset", "_untyped_storage", "_pickle_storage_type",
+    # The private kernels, as calls (an error message may still name torch._scaled_mm to the user).
+    "torch._scaled_mm(", "torch._scaled_grouped_mm(", '"_scaled_grouped_mm"', "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_backward", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
 )
 
-# A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...).
-_PATTERNS = {name: re.compile(rf"(?<![A-Za-z0-9]){re.escape(name)}\b") for name in ROUTED}
+# A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...); a
+# name ending in punctuation (a call's "(", a closing quote) ends there.
+_PATTERNS = {
+    name: re.compile(rf"(?<![A-Za-z0-9]){re.escape(name)}" + (r"\b" if re.match(r"\w", name[-1]) else ""))
+    for name in ROUTED
+}
 
 
 def _code_lines(path: Path) -> list[tuple[int, str]]:
