@@ -8,9 +8,8 @@ inside the functions that need it: the core subpackages import this module and m
 Lightning (plain torchrun scripts).
 
 Not routed here yet: ``mkldnn._linear_pointwise`` (``layers/cpu_gemm.py``: ``layers/`` imports
-torch only, and this module imports ``torch.distributed``), the planner's fake-tensor and FSDP2
-instrumentation, and Lightning's ``_SubprocessScriptLauncher``, which the strategy's launcher
-subclasses.
+torch only, and this module imports ``torch.distributed``), and the planner's fake-tensor and FSDP2
+instrumentation.
 """
 
 from __future__ import annotations
@@ -29,11 +28,12 @@ __all__ = [
     "device_constructors", "dtensor_op_dispatcher", "flash_attention_cpu", "flash_attention_cpu_backward",
     "flash_attention_cuda", "flash_attention_cuda_backward", "format_summary_table", "fsdp_finish_root_backward",
     "fsdp_lazy_init", "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state",
-    "has_scaled_grouped_mm", "init_dist_connection", "is_runtime_schedule", "keep_forward_actions",
+    "has_scaled_grouped_mm", "init_dist_connection", "is_local_path", "is_runtime_schedule", "keep_forward_actions",
     "layout_lookup_global", "optimizers_to_device", "register_fake_backend", "scaled_grouped_mm", "scaled_mm",
     "set_default_group_timeout", "set_element", "set_num_threads_if_needed", "set_skip_backward",
-    "shard_shape_and_offset_at", "storage_alignment", "storage_identity", "storage_type_name",
-    "sync_ddp_if_available", "tensor_rebuild_function", "tree_flatten", "tree_map_only", "typed_storage_parts",
+    "shard_shape_and_offset_at", "start_child_ranks", "storage_alignment", "storage_identity", "storage_type_name",
+    "subprocess_script_launcher", "sync_ddp_if_available", "tensor_rebuild_function", "tree_flatten",
+    "tree_map_only", "typed_storage_parts",
 ]
 
 
@@ -318,3 +318,26 @@ def format_summary_table(*args: Any, **kwargs: Any) -> str:
     from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
     return _format_summary_table(*args, **kwargs)
+
+
+def subprocess_script_launcher() -> type:
+    """Lightning's launcher that starts the other local ranks by re-running the script, the base class
+    of the strategy's launcher (``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``,
+    Lightning 2.6)."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    return _SubprocessScriptLauncher
+
+
+def start_child_ranks(launcher: Any) -> None:
+    """Start the other local ranks of a ``subprocess_script_launcher()`` launcher as re-runs of the script
+    (its ``_call_children_scripts``, Lightning 2.6)."""
+    launcher._call_children_scripts()
+
+
+def is_local_path(path: str) -> bool:
+    """Whether ``path`` is on the local file system, not a remote URL such as ``s3://``
+    (``lightning.fabric.utilities.cloud_io._is_local_file_protocol``, Lightning 2.6)."""
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+    return _is_local_file_protocol(path)

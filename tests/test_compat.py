@@ -28,7 +28,8 @@ ROUTED = (
     # The private kernels, as calls (an error message may still name torch._scaled_mm to the user).
     "torch._scaled_mm(", "torch._scaled_grouped_mm(", '"_scaled_grouped_mm"', "aten._scaled_dot_product_flash_attention",
     "aten._scaled_dot_product_flash_attention_backward", "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward", "_SubprocessScriptLauncher", "_call_children_scripts",
+    "_is_local_file_protocol",
 )
 
 # A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...); a
