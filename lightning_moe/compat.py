@@ -28,12 +28,12 @@ __all__ = [
     "device_constructors", "dtensor_op_dispatcher", "flash_attention_cpu", "flash_attention_cpu_backward",
     "flash_attention_cuda", "flash_attention_cuda_backward", "format_summary_table", "fsdp_finish_root_backward",
     "fsdp_lazy_init", "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state",
-    "has_scaled_grouped_mm", "init_dist_connection", "is_local_path", "is_runtime_schedule", "keep_forward_actions",
-    "layout_lookup_global", "optimizers_to_device", "register_fake_backend", "scaled_grouped_mm", "scaled_mm",
-    "set_default_group_timeout", "set_element", "set_num_threads_if_needed", "set_skip_backward",
-    "shard_shape_and_offset_at", "start_child_ranks", "storage_alignment", "storage_identity", "storage_type_name",
-    "subprocess_script_launcher", "sync_ddp_if_available", "tensor_rebuild_function", "tree_flatten",
-    "tree_map_only", "typed_storage_parts",
+    "has_scaled_grouped_mm", "init_dist_connection", "is_local_path", "is_runtime_schedule", "is_strided_shard",
+    "keep_forward_actions", "layout_lookup_global", "optimizers_to_device", "register_fake_backend",
+    "scaled_grouped_mm", "scaled_mm", "set_default_group_timeout", "set_element", "set_num_threads_if_needed",
+    "set_skip_backward", "shard_shape_and_offset_at", "start_child_ranks", "storage_alignment", "storage_identity",
+    "storage_type_name", "subprocess_script_launcher", "sync_ddp_if_available", "tensor_rebuild_function",
+    "tree_flatten", "tree_map_only", "typed_storage_parts",
 ]
 
 
@@ -261,6 +261,15 @@ def flash_attention_cuda_backward(*args: Any, **kwargs: Any) -> tuple:
     """PyTorch's CUDA flash-attention backward, ``(dq, dk, dv)``
     (``aten._scaled_dot_product_flash_attention_backward``, torch 2.13)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """Whether a DTensor placement is a strided shard, the placement FSDP2 gives a dimension that
+    tensor parallelism shards too (``torch.distributed.tensor.placement_types._StridedShard``, a
+    ``Shard`` subclass with ``split_factor``, torch 2.13)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
 
 
 # --- Lightning ---------------------------------------------------------------------------------

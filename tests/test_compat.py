@@ -29,7 +29,7 @@ ROUTED = (
     "torch._scaled_mm(", "torch._scaled_grouped_mm(", '"_scaled_grouped_mm"', "aten._scaled_dot_product_flash_attention",
     "aten._scaled_dot_product_flash_attention_backward", "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._scaled_dot_product_flash_attention_for_cpu_backward", "_SubprocessScriptLauncher", "_call_children_scripts",
-    "_is_local_file_protocol",
+    "_is_local_file_protocol", "_StridedShard",
 )
 
 # A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...); a
