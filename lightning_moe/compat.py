@@ -7,9 +7,15 @@ stable name. Lightning is imported
 inside the functions that need it: the core subpackages import this module and must run without
 Lightning (plain torchrun scripts).
 
+The planner's private torch classes (fake tensors, ``ModTracker``, ``TorchDispatchMode``...) are
+re-exported as they are, imported on first use (``_LAZY_NAMES``).
+
 Not routed here yet: ``mkldnn._linear_pointwise`` (``layers/cpu_gemm.py``: ``layers/`` imports
-torch only, and this module imports ``torch.distributed``), and the planner's fake-tensor and FSDP2
-instrumentation.
+torch only, and this module imports ``torch.distributed``); the planner's uses of private members
+of those classes and of torch's C bindings (``ShardingPropagator._propagate_tensor_meta_non_cached``
+and ``_propagate_tensor_meta_cached``, ``torch._C._clear_DTensor_sharding_propagator_cache``,
+``torch._C._distributed_c10d.ProcessGroup.unbox``, ``ScriptObject._type``); ``nn.Module``'s
+``_buffers`` and ``_non_persistent_buffers_set`` (``checkpoint/hf_load.py``).
 """
 
 from __future__ import annotations
@@ -28,12 +34,12 @@ __all__ = [
     "device_constructors", "dtensor_op_dispatcher", "flash_attention_cpu", "flash_attention_cpu_backward",
     "flash_attention_cuda", "flash_attention_cuda_backward", "format_summary_table", "fsdp_finish_root_backward",
     "fsdp_lazy_init", "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state",
-    "has_scaled_grouped_mm", "init_dist_connection", "is_local_path", "is_runtime_schedule", "is_strided_shard",
-    "keep_forward_actions", "layout_lookup_global", "optimizers_to_device", "register_fake_backend",
-    "scaled_grouped_mm", "scaled_mm", "set_default_group_timeout", "set_element", "set_num_threads_if_needed",
-    "set_skip_backward", "shard_shape_and_offset_at", "start_child_ranks", "storage_alignment", "storage_identity",
-    "storage_type_name", "subprocess_script_launcher", "sync_ddp_if_available", "tensor_rebuild_function",
-    "tree_flatten", "tree_map_only", "typed_storage_parts",
+    "fsdp_storage_modules", "has_scaled_grouped_mm", "init_dist_connection", "is_local_path", "is_runtime_schedule",
+    "is_strided_shard", "keep_forward_actions", "layout_lookup_global", "optimizers_to_device",
+    "register_fake_backend", "resolve_process_group", "scaled_grouped_mm", "scaled_mm", "set_default_group_timeout",
+    "set_element", "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at",
+    "start_child_ranks", "storage_alignment", "storage_identity", "storage_type_name", "subprocess_script_launcher",
+    "sync_ddp_if_available", "tensor_rebuild_function", "tree_flatten", "tree_map_only", "typed_storage_parts",
 ]
 
 
@@ -270,6 +276,47 @@ def is_strided_shard(placement: Any) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return isinstance(placement, _StridedShard)
+
+
+def resolve_process_group(name: str) -> Any:
+    """The process group a functional collective names by its string
+    (``torch.distributed.distributed_c10d._resolve_process_group``, torch 2.13)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def fsdp_storage_modules() -> tuple:
+    """The FSDP2 modules that look up ``alloc_storage``/``free_storage`` (the unsharded parameters'
+    ``storage.resize_``) by name, so that a patch of those names there is seen
+    (``torch.distributed.fsdp._fully_shard._fsdp_param`` and ``._fsdp_param_group``, torch 2.13)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    return _fsdp_param, _fsdp_param_group
+
+
+_LAZY_NAMES: dict[str, tuple[str, str]] = {
+    "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor"),
+    "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    "ModTracker": ("torch.distributed._tools.mod_tracker", "ModTracker"),
+    "ShardingPropagator": ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),
+    "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    "is_traceable_wrapper_subclass": ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
+}
+"""Classes and functions of private torch modules the planner uses as they are (subclassed, patched,
+tested with ``isinstance``), checked against torch 2.13: ``from lightning_moe.compat import
+FakeTensor`` imports the module on first use, so importing compat stays light."""
+
+
+def __getattr__(name: str) -> Any:
+    """The names of ``_LAZY_NAMES``, imported from their torch 2.13 module when first asked for."""
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _LAZY_NAMES[name]
+    return getattr(importlib.import_module(module), attribute)
 
 
 # --- Lightning ---------------------------------------------------------------------------------
