@@ -14,8 +14,11 @@ Not routed here yet: ``mkldnn._linear_pointwise`` (``layers/cpu_gemm.py``: ``lay
 torch only, and this module imports ``torch.distributed``); the planner's uses of private members
 of those classes and of torch's C bindings (``ShardingPropagator._propagate_tensor_meta_non_cached``
 and ``_propagate_tensor_meta_cached``, ``torch._C._clear_DTensor_sharding_propagator_cache``,
-``torch._C._distributed_c10d.ProcessGroup.unbox``, ``ScriptObject._type``); ``nn.Module``'s
-``_buffers`` and ``_non_persistent_buffers_set`` (``checkpoint/hf_load.py``).
+``torch._C._distributed_c10d.ProcessGroup.unbox``, ``ScriptObject._type``, the op
+``aten._local_scalar_dense`` it recognises); ``nn.Module``'s
+``_buffers`` and ``_non_persistent_buffers_set`` (``checkpoint/hf_load.py``); the ``torch._C`` queries of
+``layers/expert_kernels.py`` and ``memory/saved_tensors.py`` (whose import rules do not name this
+module).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ __all__ = [
     "register_fake_backend", "resolve_process_group", "scaled_grouped_mm", "scaled_mm", "set_default_group_timeout",
     "set_element", "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at",
     "start_child_ranks", "storage_alignment", "storage_identity", "storage_type_name", "subprocess_script_launcher",
-    "sync_ddp_if_available", "tensor_rebuild_function", "tree_flatten", "tree_map_only", "typed_storage_parts",
+    "sync_ddp_if_available", "tensor_rebuild_function", "torch_zip_writer", "tree_flatten", "tree_map_only",
+    "typed_storage_parts",
 ]
 
 
@@ -207,6 +211,12 @@ def storage_type_name(dtype: torch.dtype) -> str:
     """The name of the legacy typed-storage class ``torch.save`` pickles for ``dtype``, e.g.
     ``"FloatStorage"`` (``torch.storage._dtype_to_storage_type_map``, torch 2.13)."""
     return torch.storage._dtype_to_storage_type_map()[dtype]
+
+
+def torch_zip_writer(file: Any) -> Any:
+    """The zip-archive writer ``torch.save`` writes its records with, on an open binary ``file``
+    (``torch.serialization._open_zipfile_writer(file).file_like``, a ``PyTorchFileWriter``, torch 2.13)."""
+    return torch.serialization._open_zipfile_writer(file).file_like
 
 
 def storage_alignment() -> int:

@@ -30,7 +30,7 @@ ROUTED = (
     "aten._scaled_dot_product_flash_attention_backward", "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._scaled_dot_product_flash_attention_for_cpu_backward", "_SubprocessScriptLauncher", "_call_children_scripts",
     "_is_local_file_protocol", "_StridedShard", "torch._subclasses", "distributed._tools", "tensor._sharding_prop",
-    "utils._python_dispatch", "_resolve_process_group", "_cdata", "fsdp._fully_shard",
+    "utils._python_dispatch", "_resolve_process_group", "_cdata", "fsdp._fully_shard", "_open_zipfile_writer",
 )
 
 # A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...); a

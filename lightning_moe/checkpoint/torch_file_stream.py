@@ -85,7 +85,7 @@ class TorchFileStream:
     """
 
     def __init__(self, file: IO[bytes]) -> None:
-        self._zip = torch.serialization._open_zipfile_writer(file).file_like
+        self._zip = compat.torch_zip_writer(file)
         self._count = 0
         self._same: dict[tuple, tuple[weakref.ref, StoredTensor]] = {}
         self._storages: dict[int, str] = {}  # storages of tensors left in the object given to finish
