@@ -7,11 +7,18 @@ stable name. Lightning is imported
 inside the functions that need it: the core subpackages import this module and must run without
 Lightning (plain torchrun scripts).
 
-Not routed here (not a mechanical change): the private aten/torch kernels called as ops
-(``torch._scaled_mm``, ``torch._scaled_grouped_mm``, ``aten._scaled_dot_product_flash_attention*``,
-``mkldnn._linear_pointwise``), the planner's fake-tensor and FSDP2 instrumentation, the
-checkpoint readers' private helpers, and Lightning's ``_SubprocessScriptLauncher``, which the
-strategy's launcher subclasses.
+The planner's private torch classes (fake tensors, ``ModTracker``, ``TorchDispatchMode``...) are
+re-exported as they are, imported on first use (``_LAZY_NAMES``).
+
+Not routed here yet: ``mkldnn._linear_pointwise`` (``layers/cpu_gemm.py``: ``layers/`` imports
+torch only, and this module imports ``torch.distributed``); the planner's uses of private members
+of those classes and of torch's C bindings (``ShardingPropagator._propagate_tensor_meta_non_cached``
+and ``_propagate_tensor_meta_cached``, ``torch._C._clear_DTensor_sharding_propagator_cache``,
+``torch._C._distributed_c10d.ProcessGroup.unbox``, ``ScriptObject._type``, the op
+``aten._local_scalar_dense`` it recognises); ``nn.Module``'s
+``_buffers`` and ``_non_persistent_buffers_set`` (``checkpoint/hf_load.py``); the ``torch._C`` queries of
+``layers/expert_kernels.py`` and ``memory/saved_tensors.py`` (whose import rules do not name this
+module).
 """
 
 from __future__ import annotations
@@ -26,10 +33,17 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils import _pytree
 
 __all__ = [
-    "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store", "device_constructors",
-    "dtensor_op_dispatcher", "format_summary_table", "fsdp_finish_root_backward", "fsdp_lazy_init", "fsdp_param_groups",
-    "fsdp_root_states", "fsdp_shared_states", "fsdp_state", "init_dist_connection", "optimizers_to_device", "register_fake_backend",
-    "set_default_group_timeout", "set_num_threads_if_needed", "set_skip_backward", "sync_ddp_if_available", "tree_flatten", "tree_map_only",
+    "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store",
+    "device_constructors", "dtensor_op_dispatcher", "flash_attention_cpu", "flash_attention_cpu_backward",
+    "flash_attention_cuda", "flash_attention_cuda_backward", "format_summary_table", "fsdp_finish_root_backward",
+    "fsdp_lazy_init", "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state",
+    "fsdp_storage_modules", "has_scaled_grouped_mm", "init_dist_connection", "is_local_path", "is_runtime_schedule",
+    "is_strided_shard", "keep_forward_actions", "layout_lookup_global", "optimizers_to_device",
+    "register_fake_backend", "resolve_process_group", "scaled_grouped_mm", "scaled_mm", "set_default_group_timeout",
+    "set_element", "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at",
+    "start_child_ranks", "storage_alignment", "storage_identity", "storage_type_name", "subprocess_script_launcher",
+    "sync_ddp_if_available", "tensor_rebuild_function", "torch_zip_writer", "tree_flatten", "tree_map_only",
+    "typed_storage_parts",
 ]
 
 
@@ -132,6 +146,189 @@ def register_fake_backend() -> type:
     return FakeStore
 
 
+def is_runtime_schedule(schedule: Any) -> bool:
+    """Whether a pipeline schedule is a multi-stage one run from an action plan
+    (``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``, torch 2.13)."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    return isinstance(schedule, _PipelineScheduleRuntime)
+
+
+def keep_forward_actions(schedule: Any) -> None:
+    """Keep only the forward actions of a multi-stage schedule's plan, its communication re-derived
+    (``torch.distributed.pipelining.schedules``' ``_add_unshard_reshard``, ``_add_send_recv``,
+    ``_ComputationType``, ``_num_stages``, torch 2.13).
+
+    ``eval()`` of the V-shaped ZBV schedule in torch 2.13 still runs its backward actions and
+    fails ("can't steal_bwd_input if this stage doesn't have backward"). The forward actions in
+    their planned order stay deadlock-free: a forward depends only on earlier forwards. Lowered
+    as ``_prepare_schedule_with_comms`` does, minus its check that every micro-batch has a backward.
+    """
+    from torch.distributed.pipelining.schedules import _add_send_recv, _add_unshard_reshard, _ComputationType
+
+    order = {
+        rank: _add_unshard_reshard(
+            [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
+        )
+        for rank, actions in schedule.pipeline_order.items()
+    }
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        order, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages
+    )
+
+
+def shard_shape_and_offset_at(global_shape, mesh_shape, coordinate, placements) -> tuple:
+    """``(local shape, global offset)`` of the DTensor piece at mesh ``coordinate`` of a mesh of
+    ``mesh_shape``, any rank's, not only this one's
+    (``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``, torch 2.13)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return _compute_local_shape_and_global_offset(global_shape, mesh_shape, coordinate, placements)
+
+
+def set_element(root: Any, path: Any, value: Any) -> None:
+    """Set the value at ``path`` (a DCP object path) of a nested state dict, creating the containers
+    on the way (``torch.distributed.checkpoint._traverse.set_element``, torch 2.13)."""
+    from torch.distributed.checkpoint._traverse import set_element as _set_element
+
+    _set_element(root, path, value)
+
+
+def layout_lookup_global() -> tuple[tuple[str, str], Callable[[str], Any]]:
+    """``((module, name), function)`` of the global DCP's pickled metadata calls to turn a layout's
+    string into a ``torch.layout`` (``torch.serialization._get_layout``, torch 2.13)."""
+    return ("torch.serialization", "_get_layout"), torch.serialization._get_layout
+
+
+def tensor_rebuild_function() -> Callable[..., Tensor]:
+    """The function ``torch.save`` pickles a plain CPU tensor as a call of, with arguments
+    ``(storage, offset, shape, stride, requires_grad, hooks)`` (``torch._utils._rebuild_tensor_v2``,
+    torch 2.13)."""
+    return torch._utils._rebuild_tensor_v2
+
+
+def storage_type_name(dtype: torch.dtype) -> str:
+    """The name of the legacy typed-storage class ``torch.save`` pickles for ``dtype``, e.g.
+    ``"FloatStorage"`` (``torch.storage._dtype_to_storage_type_map``, torch 2.13)."""
+    return torch.storage._dtype_to_storage_type_map()[dtype]
+
+
+def torch_zip_writer(file: Any) -> Any:
+    """The zip-archive writer ``torch.save`` writes its records with, on an open binary ``file``
+    (``torch.serialization._open_zipfile_writer(file).file_like``, a ``PyTorchFileWriter``, torch 2.13)."""
+    return torch.serialization._open_zipfile_writer(file).file_like
+
+
+def storage_alignment() -> int:
+    """The alignment in bytes of the storage records in a ``torch.save`` archive
+    (``torch.serialization._get_storage_alignment``, torch 2.13)."""
+    return torch.serialization._get_storage_alignment()
+
+
+def typed_storage_parts(typed: Any) -> tuple[Any, str, int]:
+    """``(untyped storage, legacy storage class name, number of elements)`` of a ``TypedStorage``, the
+    parts ``torch.save`` pickles it as (``_untyped_storage``, ``_pickle_storage_type``, ``_size``,
+    torch 2.13)."""
+    return typed._untyped_storage, typed._pickle_storage_type(), typed._size()
+
+
+def storage_identity(storage: Any) -> int:
+    """A key equal for the handles of one storage while it lives (``UntypedStorage._cdata``, the C
+    pointer ``torch.save`` de-duplicates storages by, torch 2.13)."""
+    return storage._cdata
+
+
+def scaled_mm(*args: Any, **kwargs: Any) -> Tensor:
+    """PyTorch's scaled FP8 GEMM (``torch._scaled_mm``, torch 2.13: ``(a, b, scale_a=, scale_b=,
+    out_dtype=, use_fast_accum=)``); looked up at each call, so a patched ``torch._scaled_mm`` is used."""
+    return torch._scaled_mm(*args, **kwargs)
+
+
+def has_scaled_grouped_mm() -> bool:
+    """Whether this torch has the grouped scaled FP8 GEMM (``torch._scaled_grouped_mm``, torch 2.13)."""
+    return hasattr(torch, "_scaled_grouped_mm")
+
+
+def scaled_grouped_mm(*args: Any, **kwargs: Any) -> Tensor:
+    """PyTorch's grouped scaled FP8 GEMM (``torch._scaled_grouped_mm``, torch 2.13, CUDA sm90+:
+    ``(a, b, scale_a, scale_b, offs=, out_dtype=, use_fast_accum=)``)."""
+    return torch._scaled_grouped_mm(*args, **kwargs)
+
+
+def flash_attention_cpu(*args: Any, **kwargs: Any) -> tuple:
+    """PyTorch's fused CPU attention forward, ``(out, lse)``
+    (``aten._scaled_dot_product_flash_attention_for_cpu``, torch 2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
+
+
+def flash_attention_cpu_backward(*args: Any, **kwargs: Any) -> tuple:
+    """PyTorch's fused CPU attention backward, ``(dq, dk, dv)``
+    (``aten._scaled_dot_product_flash_attention_for_cpu_backward``, torch 2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
+
+
+def flash_attention_cuda(*args: Any, **kwargs: Any) -> tuple:
+    """PyTorch's CUDA flash-attention forward, ``(out, lse, cum_q, cum_k, max_q, max_k, rng_state,
+    unused, debug_mask)`` (``aten._scaled_dot_product_flash_attention``, torch 2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(*args, **kwargs)
+
+
+def flash_attention_cuda_backward(*args: Any, **kwargs: Any) -> tuple:
+    """PyTorch's CUDA flash-attention backward, ``(dq, dk, dv)``
+    (``aten._scaled_dot_product_flash_attention_backward``, torch 2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """Whether a DTensor placement is a strided shard, the placement FSDP2 gives a dimension that
+    tensor parallelism shards too (``torch.distributed.tensor.placement_types._StridedShard``, a
+    ``Shard`` subclass with ``split_factor``, torch 2.13)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def resolve_process_group(name: str) -> Any:
+    """The process group a functional collective names by its string
+    (``torch.distributed.distributed_c10d._resolve_process_group``, torch 2.13)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def fsdp_storage_modules() -> tuple:
+    """The FSDP2 modules that look up ``alloc_storage``/``free_storage`` (the unsharded parameters'
+    ``storage.resize_``) by name, so that a patch of those names there is seen
+    (``torch.distributed.fsdp._fully_shard._fsdp_param`` and ``._fsdp_param_group``, torch 2.13)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    return _fsdp_param, _fsdp_param_group
+
+
+_LAZY_NAMES: dict[str, tuple[str, str]] = {
+    "FakeTensor": ("torch._subclasses.fake_tensor", "FakeTensor"),
+    "FakeTensorMode": ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    "unset_fake_temporarily": ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    "ModTracker": ("torch.distributed._tools.mod_tracker", "ModTracker"),
+    "ShardingPropagator": ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"),
+    "TorchDispatchMode": ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    "is_traceable_wrapper_subclass": ("torch.utils._python_dispatch", "is_traceable_wrapper_subclass"),
+}
+"""Classes and functions of private torch modules the planner uses as they are (subclassed, patched,
+tested with ``isinstance``), checked against torch 2.13: ``from lightning_moe.compat import
+FakeTensor`` imports the module on first use, so importing compat stays light."""
+
+
+def __getattr__(name: str) -> Any:
+    """The names of ``_LAZY_NAMES``, imported from their torch 2.13 module when first asked for."""
+    if name not in _LAZY_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _LAZY_NAMES[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
 # --- Lightning ---------------------------------------------------------------------------------
 
 
@@ -187,3 +384,26 @@ def format_summary_table(*args: Any, **kwargs: Any) -> str:
     from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
     return _format_summary_table(*args, **kwargs)
+
+
+def subprocess_script_launcher() -> type:
+    """Lightning's launcher that starts the other local ranks by re-running the script, the base class
+    of the strategy's launcher (``lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher``,
+    Lightning 2.6)."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    return _SubprocessScriptLauncher
+
+
+def start_child_ranks(launcher: Any) -> None:
+    """Start the other local ranks of a ``subprocess_script_launcher()`` launcher as re-runs of the script
+    (its ``_call_children_scripts``, Lightning 2.6)."""
+    launcher._call_children_scripts()
+
+
+def is_local_path(path: str) -> bool:
+    """Whether ``path`` is on the local file system, not a remote URL such as ``s3://``
+    (``lightning.fabric.utilities.cloud_io._is_local_file_protocol``, Lightning 2.6)."""
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+    return _is_local_file_protocol(path)

@@ -21,11 +21,24 @@ ROUTED = (
     "_op_dispatcher", "torch.utils._pytree", "torch.utils._device", "distributed.fake_pg", "_skip_backward",
     "_get_default_process_group_backend_for_device", "_optimizers_to_device", "_sync_ddp_if_available",
     "_set_num_threads_if_needed", "_init_dist_connection", "_format_summary_table", "_set_pg_timeout",
-    "_get_default_store",
+    "_get_default_store", "pipelining.schedules", "_PipelineScheduleRuntime", "_add_send_recv",
+    "_add_unshard_reshard", "_ComputationType", "_num_stages", "_rebuild_tensor_v2", "_get_storage_alignment",
+    "_dtype_to_storage_type_map", "checkpoint._traverse", "_get_layout", "tensor._utils",
+    "_compute_local_shape_and_global_offset", "_untyped_storage", "_pickle_storage_type",
+    # The private kernels, as calls (an error message may still name torch._scaled_mm to the user).
+    "torch._scaled_mm(", "torch._scaled_grouped_mm(", '"_scaled_grouped_mm"', "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_backward", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward", "_SubprocessScriptLauncher", "_call_children_scripts",
+    "_is_local_file_protocol", "_StridedShard", "torch._subclasses", "distributed._tools", "tensor._sharding_prop",
+    "utils._python_dispatch", "_resolve_process_group", "_cdata", "fsdp._fully_shard", "_open_zipfile_writer",
 )
 
-# A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...).
-_PATTERNS = {name: re.compile(rf"(?<![A-Za-z0-9]){re.escape(name)}\b") for name in ROUTED}
+# A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...); a
+# name ending in punctuation (a call's "(", a closing quote) ends there.
+_PATTERNS = {
+    name: re.compile(rf"(?<![A-Za-z0-9]){re.escape(name)}" + (r"\b" if re.match(r"\w", name[-1]) else ""))
+    for name in ROUTED
+}
 
 
 def _code_lines(path: Path) -> list[tuple[int, str]]:

@@ -3,7 +3,7 @@
 :func:`gather_full` puts the full value of one sharded tensor (a DTensor of any mesh and
 placements) on the destination rank only: each piece is sent once, by the rank holding it (the
 first replica where a mesh dimension replicates), straight into its place in the full tensor. Where
-each rank's piece lies comes from ``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``,
+each rank's piece lies comes from ``compat.shard_shape_and_offset_at``,
 the function DCP uses to record the chunks of a DTensor it saves, so every layout a sharded
 checkpoint can hold is gathered the same way (EP, ETP, TP, FSDP2 and their foldings).
 
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from lightning_moe.checkpoint.torch_file_stream import TorchFileStream
+from lightning_moe.compat import shard_shape_and_offset_at
 
 __all__ = ["gather_full", "write_consolidated"]
 
@@ -49,7 +49,7 @@ def _pieces(mesh, placements: tuple, shape: tuple[int, ...]) -> tuple[tuple[int,
     for coordinate in itertools.product(*(range(size) for size in mesh.shape)):
         if any(c != 0 for c, p in zip(coordinate, placements) if p.is_replicate()):
             continue  # a replica of the piece at coordinate 0 on that mesh dimension
-        local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coordinate), placements)
+        local_shape, offset = shard_shape_and_offset_at(shape, mesh.shape, list(coordinate), placements)
         if all(size > 0 for size in local_shape):
             pieces.append((int(ranks[coordinate]), tuple(local_shape), tuple(offset)))
     return tuple(pieces)

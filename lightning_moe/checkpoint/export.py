@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from torch import Tensor
-from torch.distributed.checkpoint._traverse import set_element
 
 from lightning_moe.checkpoint.files import find_os_error, partial_path
 from lightning_moe.checkpoint.reader import MODEL_KEY, CheckpointSource, open_checkpoint
 from lightning_moe.checkpoint.torch_file_stream import TorchFileStream
+from lightning_moe.compat import set_element
 
 __all__ = ["MODEL_KEY", "ExportedCheckpoint", "export_checkpoint", "read_checkpoint", "read_model_state", "write_failure"]
 

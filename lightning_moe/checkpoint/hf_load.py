@@ -32,8 +32,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_moe.compat import compute_local_shape_and_global_offset
 from lightning_moe.lora.apply import is_adapter_key
 from lightning_moe.models import MoETransformer
 from lightning_moe.models.hf.config_map import config_from_hf

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_moe.compat import compute_local_shape_and_global_offset
 from lightning_moe.layers.expert_state import FC1_KEY
 from lightning_moe.parallel.expert_parallel import contiguous_strides
 

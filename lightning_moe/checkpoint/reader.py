@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from lightning_moe.checkpoint.files import interrupted_replacement
@@ -48,6 +47,7 @@ from lightning_moe.checkpoint.integrity import (
     verify_digests,
 )
 from lightning_moe.checkpoint.security import load_sharded, load_torch_file, read_sharded_metadata
+from lightning_moe.compat import set_element
 
 __all__ = ["MODEL_KEY", "CheckpointSource", "Entry", "open_checkpoint"]
 

@@ -43,7 +43,6 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 from torch.distributed.checkpoint import metadata as _dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -61,6 +60,7 @@ from lightning_moe.checkpoint.integrity import (
     read_meta_digest,
 )
 from lightning_moe.checkpoint.legacy import adopt_legacy_fc1
+from lightning_moe.compat import layout_lookup_global, set_element
 
 __all__ = [
     "RestrictedUnpickler",
@@ -93,6 +93,7 @@ _DCP_OBJECTS: dict[tuple[str, str], type] = {
 _BUILDABLE: frozenset[type] = frozenset(_DCP_OBJECTS.values())
 """Classes whose instances BUILD may set the state of (DCP's metadata dataclasses)."""
 
+_LAYOUT_GLOBAL, _LAYOUT_LOOKUP = layout_lookup_global()
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     **_DCP_OBJECTS,
     # StorageMeta.checkpoint_id: FileSystemWriter stores the path (Python 3.13 names the module pathlib._local).
@@ -102,7 +103,7 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib._local", "WindowsPath"): pathlib.WindowsPath,
     ("torch", "Size"): torch.Size,
     # TensorProperties.layout: a lookup of torch's layout objects by their string.
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    _LAYOUT_GLOBAL: _LAYOUT_LOOKUP,
 }
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 

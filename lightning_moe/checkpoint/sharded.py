@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
 from lightning_moe.checkpoint.security import SafeFileSystemReader, SafeLoadPlanner, load_sharded
+from lightning_moe.compat import compute_local_shape_and_global_offset
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter, expert_shard, is_expert_param
 
 __all__ = [

@@ -32,6 +32,8 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
+from lightning_moe import compat
+
 __all__ = ["StoredTensor", "TorchFileStream"]
 
 _PICKLE_PROTOCOL = 2
@@ -42,7 +44,7 @@ class _StoredStorage:
     """The persistent id of a storage already written as ``data/<key>``."""
 
     def __init__(self, dtype: torch.dtype, key: str, numel: int) -> None:
-        self.storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+        self.storage_type = getattr(torch, compat.storage_type_name(dtype))
         self.key, self.numel = key, numel
 
 
@@ -55,7 +57,7 @@ class StoredTensor:
 
     def __reduce_ex__(self, protocol: int):
         # Tensor._reduce_ex_internal's form for a plain CPU tensor without hooks or metadata.
-        return torch._utils._rebuild_tensor_v2, (
+        return compat.tensor_rebuild_function(), (
             self._storage, 0, tuple(self.shape), self._stride, False, collections.OrderedDict(),
         )
 
@@ -83,7 +85,7 @@ class TorchFileStream:
     """
 
     def __init__(self, file: IO[bytes]) -> None:
-        self._zip = torch.serialization._open_zipfile_writer(file).file_like
+        self._zip = compat.torch_zip_writer(file)
         self._count = 0
         self._same: dict[tuple, tuple[weakref.ref, StoredTensor]] = {}
         self._storages: dict[int, str] = {}  # storages of tensors left in the object given to finish
@@ -114,14 +116,14 @@ class TorchFileStream:
         return stored
 
     def _storage_id(self, typed: torch.storage.TypedStorage) -> tuple:
-        storage = typed._untyped_storage
-        key = self._storages.get(storage._cdata)
+        storage, type_name, size = compat.typed_storage_parts(typed)
+        key = self._storages.get(compat.storage_identity(storage))
         if key is None:
-            key = self._storages[storage._cdata] = str(self._count)
+            key = self._storages[compat.storage_identity(storage)] = str(self._count)
             self._count += 1
             data = storage.cpu()
             self._zip.write_record(f"data/{key}", data, data.nbytes())
-        return "storage", getattr(torch, typed._pickle_storage_type()), key, "cpu", typed._size()
+        return "storage", getattr(torch, type_name), key, "cpu", size
 
     def finish(self, obj: Any) -> None:
         """Pickle ``obj`` (tensors as :class:`StoredTensor`) as the archive's ``data.pkl`` and close it."""
@@ -129,7 +131,7 @@ class TorchFileStream:
         _Pickler(buffer, self).dump(obj)
         data = buffer.getvalue()
         self._zip.write_record("data.pkl", data, len(data))
-        alignment = str(torch.serialization._get_storage_alignment())
+        alignment = str(compat.storage_alignment())
         self._zip.write_record(".storage_alignment", alignment, len(alignment))
         self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         self._close()  # the zip's central directory; flushes ``file``

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe import compat
+
 __all__ = ["BLOCK_KERNELS", "CpuFlashBlock", "CudaFlashBlock", "MathBlock", "select_block_kernel"]
 
 
@@ -75,7 +77,7 @@ class CpuFlashBlock:
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
         """``(out, lse fp32, None)``; ``out`` in the inputs' dtype, ``v``'s width."""
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = compat.flash_attention_cpu(
             q.contiguous(), k.contiguous(), _pad_last(v, q.shape[-1]).contiguous(), 0.0, causal, scale=scale
         )
         return out[..., : v.shape[-1]], lse, None
@@ -85,7 +87,7 @@ class CpuFlashBlock:
                  causal: bool, scale: float):
         """``(dq, dk, dv)`` of this block (the inputs' dtype), given the merged ``out`` and ``lse``."""
         width = q.shape[-1]
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = compat.flash_attention_cpu_backward(
             _pad_last(dout.to(q.dtype), width).contiguous(), q.contiguous(), k.contiguous(),
             _pad_last(v, width).contiguous(), _pad_last(out.to(q.dtype), width).contiguous(), lse.contiguous(),
             0.0, causal, scale=scale,
@@ -101,7 +103,7 @@ class CudaFlashBlock:
     @staticmethod
     def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
         """``(out, lse fp32, saved)``: ``saved`` are the kernel's sequence and RNG outputs its backward takes."""
-        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = compat.flash_attention_cuda(
             q, k, _pad_last(v, q.shape[-1]), 0.0, causal, False, scale=scale
         )
         return out[..., : v.shape[-1]], lse[..., : q.shape[2]], (cum_q, cum_k, max_q, max_k, rng_state, unused)
@@ -112,7 +114,7 @@ class CudaFlashBlock:
         """``(dq, dk, dv)`` of this block (the inputs' dtype), given the merged ``out`` and ``lse``."""
         width = q.shape[-1]
         cum_q, cum_k, max_q, max_k, rng_state, unused = saved
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = compat.flash_attention_cuda_backward(
             _pad_last(dout.to(q.dtype), width).contiguous(), q, k, _pad_last(v, width),
             _pad_last(out.to(q.dtype), width).contiguous(), lse.contiguous(), cum_q, cum_k, max_q, max_k,
             0.0, causal, rng_state, unused, scale=scale,

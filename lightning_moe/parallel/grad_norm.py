@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_moe.compat import is_strided_shard
 from lightning_moe.parallel.expert_parallel import expert_shard, is_expert_param
 from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.layout.lightning_mesh import layout_dim_names
@@ -52,7 +52,7 @@ def _shard_groups(param: Tensor) -> tuple[str, ...]:
         # FSDP2 shards a tensor-parallel dimension-0 shard again with a strided placement.
         names = tuple(
             dims[i] for i, placement in enumerate(param.placements)
-            if placement.is_shard() or isinstance(placement, _StridedShard)
+            if placement.is_shard() or is_strided_shard(placement)
         )
     if is_expert_param(param):
         # A tensor every ETP rank holds whole (an adapter factor) is counted once per ETP group.

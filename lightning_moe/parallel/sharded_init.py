@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_moe.compat import is_strided_shard
 from lightning_moe.layers.weight_init import set_sharded_writer
 
 __all__ = ["enable_sharded_init", "local_block", "write_sharded"]
@@ -30,7 +30,7 @@ def _chunk(start: int, length: int, parts: int, index: int) -> tuple[int, int]:
 
 def _is_shard_of(placement, dim: int) -> bool:
     """A plain ``Shard(dim)`` (not a strided one)."""
-    return isinstance(placement, Shard) and not isinstance(placement, _StridedShard) and placement.dim == dim
+    return isinstance(placement, Shard) and not is_strided_shard(placement) and placement.dim == dim
 
 
 def local_block(weight: Tensor) -> tuple[tuple[int, int], ...] | None:
@@ -50,7 +50,7 @@ def local_block(weight: Tensor) -> tuple[tuple[int, int], ...] | None:
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Replicate):
             continue
-        if isinstance(placement, _StridedShard):
+        if is_strided_shard(placement):
             later = [m for m in range(mesh_dim + 1, mesh.ndim) if _is_shard_of(placements[m], placement.dim)]
             if cuts.get(placement.dim) or math.prod(mesh.size(m) for m in later) != placement.split_factor:
                 return None

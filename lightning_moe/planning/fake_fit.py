@@ -42,9 +42,8 @@ from unittest import mock
 
 import lightning as L
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.distributed._tools.mod_tracker import ModTracker
 
+from lightning_moe.compat import FakeTensor, FakeTensorMode, ModTracker, unset_fake_temporarily
 from lightning_moe.layers import expert_kernels
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.planning.fake_objects import FakeObjects

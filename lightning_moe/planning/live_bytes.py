@@ -19,9 +19,14 @@ import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from lightning_moe.compat import tree_flatten
+from lightning_moe.compat import (
+    TorchDispatchMode,
+    fsdp_storage_modules,
+    is_traceable_wrapper_subclass,
+    storage_identity,
+    tree_flatten,
+)
 
 __all__ = ["LiveBytes", "follow_fsdp_resizes", "held_bytes", "storage_bytes"]
 
@@ -56,7 +61,7 @@ class LiveBytes(TorchDispatchMode):
         if tensor.device.type == "meta":
             return
         storage = tensor.untyped_storage()
-        key, nbytes = storage._cdata, storage.nbytes()
+        key, nbytes = storage_identity(storage), storage.nbytes()
         with self._lock:
             if key in self._alive:
                 return
@@ -75,7 +80,7 @@ class LiveBytes(TorchDispatchMode):
     def resized(self, tensor: torch.Tensor, before: int) -> None:
         """``tensor``'s storage was resized in place from ``before`` bytes to its size now."""
         storage = tensor.untyped_storage()
-        key, after = storage._cdata, storage.nbytes()
+        key, after = storage_identity(storage), storage.nbytes()
         with self._lock:
             known = key in self._alive
             if known:
@@ -91,8 +96,6 @@ def follow_fsdp_resizes(counter: LiveBytes) -> Iterator[None]:
     """Tell ``counter`` of every storage FSDP2 resizes: it allocates and frees the unsharded
     parameters with ``alloc_storage``/``free_storage`` (``storage.resize_``), which no dispatch mode
     sees. Wraps those two functions where FSDP2 looks them up, for the body only."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-
     def wrap(original):
         def resize(tensor: torch.Tensor) -> None:
             before = tensor.untyped_storage().nbytes()
@@ -100,7 +103,7 @@ def follow_fsdp_resizes(counter: LiveBytes) -> Iterator[None]:
             counter.resized(tensor, before)
         return resize
 
-    patched = [(module, name, getattr(module, name)) for module in (_fsdp_param, _fsdp_param_group)
+    patched = [(module, name, getattr(module, name)) for module in fsdp_storage_modules()
                for name in ("alloc_storage", "free_storage") if hasattr(module, name)]
     for module, name, original in patched:
         setattr(module, name, wrap(original))
@@ -119,7 +122,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if local.device.type != "meta":
             storage = local.untyped_storage()
-            storages[storage._cdata] = storage.nbytes()
+            storages[storage_identity(storage)] = storage.nbytes()
     return sum(storages.values())
 
 

@@ -43,14 +43,18 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import lightning_moe
-from lightning_moe.compat import tree_flatten
+from lightning_moe.compat import (
+    FakeTensor,
+    ModTracker,
+    ShardingPropagator,
+    is_traceable_wrapper_subclass,
+    resolve_process_group,
+    storage_identity,
+    tree_flatten,
+)
 from lightning_moe.planning.live_bytes import LiveBytes
 
 __all__ = ["COLLECTIVE_NAMESPACES", "Collective", "HostRead", "StepProbe", "StepRecord"]
@@ -177,13 +181,13 @@ def _fake_data_ptr(tensor: torch.Tensor) -> int:
     # A fake tensor's data_ptr() is 0, so GradSync (which recognises a gradient already in its
     # bucket by its address) would take every bucket's first gradient for adopted: give each
     # storage a distinct address (its StorageImpl's), offsets included.
-    return tensor.untyped_storage()._cdata + tensor.storage_offset() * tensor.element_size()
+    return storage_identity(tensor.untyped_storage()) + tensor.storage_offset() * tensor.element_size()
 
 
 def _fake_storage_ptr(storage: torch.UntypedStorage) -> int:
     # A fake tensor's storage has address 0 too: code that tells storages apart by address (the expert
     # kernels' gradient workspace) would take every two for one. Its StorageImpl's address is its own.
-    return storage._cdata
+    return storage_identity(storage)
 
 
 _REDUCE_OPS = {int(getattr(dist.ReduceOp.RedOpType, name)): name.lower() for name in dist.ReduceOp.RedOpType.__members__}
@@ -236,7 +240,7 @@ class StepProbe(LiveBytes):
         before = self.live
         super()._count(tensor)  # live grows here and in resized: the peaks are updated where it may have
         if self.live > before and not is_traceable_wrapper_subclass(tensor) and _made_by_dispatcher(sys._getframe(1)):
-            key = tensor.untyped_storage()._cdata
+            key = storage_identity(tensor.untyped_storage())
             with self._lock:
                 self._dispatch[key] = self.live - before
                 self.live_dispatch += self.live - before
@@ -314,7 +318,7 @@ class StepProbe(LiveBytes):
             if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
                 group = torch._C._distributed_c10d.ProcessGroup.unbox(arg)
         if group is None:  # functional collectives name their group last
-            group = dist.distributed_c10d._resolve_process_group([a for a in args if isinstance(a, str)][-1])
+            group = resolve_process_group([a for a in args if isinstance(a, str)][-1])
         first = next(a for a in flat if isinstance(a, torch.Tensor))
         self.record.collectives.append(Collective(
             kind, tuple(dist.get_process_group_ranks(group)), self.tracker.is_bw, self._module(),

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_moe import compat
 from lightning_moe.precision.common import TORCH_RECIPES
 
 __all__ = [
@@ -181,7 +182,7 @@ def scaled_mm_nt(
         scale_b = scale_b.reshape(1, -1)
     gemm_dtype = torch.bfloat16 if rowwise else out_dtype
     check_scaled_mm_operands(qa, mat_b, scale_a, scale_b, gemm_dtype)
-    out = torch._scaled_mm(qa, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=gemm_dtype, use_fast_accum=fast_accum)
+    out = compat.scaled_mm(qa, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=gemm_dtype, use_fast_accum=fast_accum)
     if pad_n:
         out = out[:, :num_out]
     return out.to(out_dtype)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from lightning_moe import compat
 from lightning_moe.layers.activations import activation_fn
 from lightning_moe.layers.experts import GroupedExperts, group_offsets
 from lightning_moe.precision.torch_fp8 import E4M3, TorchFP8Recipe, gemm_out_dtype, quantize
@@ -38,7 +39,7 @@ __all__ = ["IMPLS", "Float8GroupedExperts", "float8_grouped_linear", "group_offs
 
 IMPLS = ("auto", "grouped", "loop", "emulate")
 _ALIGN = 16
-_HAS_SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm")
+_HAS_SCALED_GROUPED_MM = compat.has_scaled_grouped_mm()
 
 
 def resolve_impl(impl: str, device: torch.device, counts: list[int], *sizes: int) -> str:
@@ -79,14 +80,14 @@ class _Impl:
     def mm_2d3d(self, qa, qb, sa, sb, offs, counts, fast: bool) -> Tensor:
         """``out[rows of e] = (qa * sa)[rows of e] @ (qb[e] * sb[e])``; qa ``[M, K]``, qb ``[E, K, N]``."""
         if self.name == "grouped":
-            return torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)
+            return compat.scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)
         out = qa.new_empty(qa.shape[0], qb.shape[2], dtype=torch.bfloat16)
         for e, rows in _expert_row_slices(counts):
             if self.name == "emulate":
                 a = qa[rows].float() * sa[rows, None]
                 out[rows] = (a @ (qb[e].float() * sb[e][None, :])).to(out.dtype)
             else:
-                out[rows] = torch._scaled_mm(
+                out[rows] = compat.scaled_mm(
                     qa[rows], qb[e], scale_a=sa[rows, None].contiguous(), scale_b=sb[e][None, :].contiguous(),
                     out_dtype=torch.bfloat16, use_fast_accum=fast,
                 )
@@ -95,7 +96,7 @@ class _Impl:
     def mm_2d2d(self, qa, qb, sa, sb, offs, counts) -> Tensor:
         """``out[e] = (qa[:, rows of e] * sa[e]) @ (qb[rows of e] * sb[e])``; qa ``[N, M]``, qb ``[M, K]``."""
         if self.name == "grouped":
-            return torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+            return compat.scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
         n, k = qa.shape[0], qb.shape[1]
         out = qa.new_zeros(len(counts), n, k, dtype=torch.bfloat16)
         for e, rows in _expert_row_slices(counts):
@@ -110,7 +111,7 @@ class _Impl:
             a[:, :count] = qa[:, rows]
             b = torch.zeros(k, padded, dtype=qb.dtype, device=qb.device)
             b[:, :count] = qb[rows].t()
-            out[e] = torch._scaled_mm(
+            out[e] = compat.scaled_mm(
                 a, b.t(), scale_a=scale_a[:, None].contiguous(), scale_b=scale_b[None, :].contiguous(),
                 out_dtype=torch.bfloat16,
             )

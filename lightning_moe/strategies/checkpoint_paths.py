@@ -17,9 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_moe.compat import is_local_path
 
 __all__ = ["checkpoint_dirpaths", "drop_outside_paths"]
 
@@ -35,14 +36,14 @@ def checkpoint_dirpaths(strategy: Any) -> list[Path] | None:
         return None
     return [
         Path(cb.dirpath) for cb in trainer.checkpoint_callbacks
-        if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None and _is_local_file_protocol(str(cb.dirpath))
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None and is_local_path(str(cb.dirpath))
     ]
 
 
 def _inside(path: Any, dirpath: Path | None) -> bool:
     if not isinstance(path, str) or not path:
         return not path  # "" and None are how ModelCheckpoint says "none yet"
-    if dirpath is None or not _is_local_file_protocol(path):
+    if dirpath is None or not is_local_path(path):
         return False
     candidate = Path(path)
     if candidate.name in ("", ".", ".."):
@@ -60,7 +61,7 @@ def drop_outside_paths(meta: dict[str, Any], source: Path) -> None:
         if not isinstance(state, dict) or not ({"best_k_models", *_PATH_KEYS} & state.keys()):
             continue
         raw = state.get("dirpath")
-        dirpath = Path(raw).resolve() if isinstance(raw, str) and raw and _is_local_file_protocol(raw) else None
+        dirpath = Path(raw).resolve() if isinstance(raw, str) and raw and is_local_path(raw) else None
         dropped = [state[key] for key in _PATH_KEYS if key in state and not _inside(state[key], dirpath)]
         for key in _PATH_KEYS:
             if key in state and not _inside(state[key], dirpath):

@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -94,6 +93,7 @@ from lightning_moe.checkpoint.sharded import (
     optimizer_param_groups,
     optimizer_state_dict,
 )
+from lightning_moe.compat import is_local_path
 from lightning_moe.parallel.expert_parallel import ExpertStateConverter
 from lightning_moe.strategies.checkpoint_paths import checkpoint_dirpaths, drop_outside_paths
 
@@ -304,7 +304,7 @@ class MoECheckpointing:
         """Raise on every rank, naming ``dirpath`` and the OS error, unless rank 0 can create (if
         needed) the directory and create and remove a file in it. Collective; remote (fsspec)
         paths are not probed."""
-        if not _is_local_file_protocol(str(dirpath)):
+        if not is_local_path(str(dirpath)):
             return
         error = self._on_rank_zero(lambda: probe_writable(Path(dirpath)))
         if error is not None:

@@ -35,10 +35,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_moe.compat import set_num_threads_if_needed
+from lightning_moe.compat import set_num_threads_if_needed, start_child_ranks, subprocess_script_launcher
 from lightning_moe.strategies.reaper import end_ranks
 
 __all__ = ["MoESubprocessLauncher", "describe_exit"]
@@ -74,7 +73,7 @@ def _say(message: str) -> None:
     print(f"{_PREFIX} {message}", file=sys.stderr, flush=True)
 
 
-class MoESubprocessLauncher(_SubprocessScriptLauncher):
+class MoESubprocessLauncher(subprocess_script_launcher()):
     """Lightning's subprocess launcher that ends every rank it started when the job fails (see the module docstring).
 
     Args:
@@ -108,7 +107,7 @@ class MoESubprocessLauncher(_SubprocessScriptLauncher):
         # Before the children start, so that they inherit OMP_NUM_THREADS: each rank gets its share of
         # the cores (a rank with every core's thread oversubscribes them N times over).
         set_num_threads_if_needed(self.num_processes)
-        self._call_children_scripts()
+        start_child_ranks(self)
         threading.Thread(target=self._watch, daemon=True, name="lightning_moe-rank-watcher").start()
         try:
             return function(*args, **kwargs)

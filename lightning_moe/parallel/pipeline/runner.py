@@ -67,14 +67,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import (  # private: see _forward_only
-    _add_send_recv,
-    _add_unshard_reshard,
-    _ComputationType,
-    _PipelineScheduleRuntime,
-)
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.compat import is_runtime_schedule, keep_forward_actions
 from lightning_moe.parallel.gradient_sync import GradientSync
 from lightning_moe.parallel.layout.groups import ParallelContext
 from lightning_moe.parallel.model_plan import plan_of
@@ -92,24 +87,6 @@ from lightning_moe.parallel.pipeline.stage_failure import describe_peer_failure,
 
 __all__ = ["PIPELINE_SCHEDULES", "PipelineRunner", "check_pipeline_options", "sharded_schedule_problem"]
 
-
-def _forward_only(schedule: _PipelineScheduleRuntime) -> None:
-    """Keep only the forward actions of a multi-stage schedule's plan (its communication re-derived).
-
-    ``eval()`` of the V-shaped ZBV schedule in torch 2.13 still runs its backward actions and
-    fails ("can't steal_bwd_input if this stage doesn't have backward"). The forward actions in
-    their planned order stay deadlock-free: a forward depends only on earlier forwards. Lowered
-    as ``_prepare_schedule_with_comms`` does, minus its check that every micro-batch has a backward.
-    """
-    order = {
-        rank: _add_unshard_reshard(
-            [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
-        )
-        for rank, actions in schedule.pipeline_order.items()
-    }
-    schedule.pipeline_order_with_comms = _add_send_recv(
-        order, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages
-    )
 
 PIPELINE_SCHEDULES = {
     # name: (schedule class, virtual stages it needs (None: any >= 2), stage placement)
@@ -318,8 +295,8 @@ class PipelineRunner:
             # Sharded: the gradients are divided after their reduction, in step().
             loss_fn = self._weighted_loss if train and self._weighted_loss is not None else self.loss_fn
             schedule = cls(first, self.num_microbatches, loss_fn=loss_fn, scale_grads=not self._sharded())
-            if not train and isinstance(schedule, _PipelineScheduleRuntime):
-                _forward_only(schedule)
+            if not train and is_runtime_schedule(schedule):
+                keep_forward_actions(schedule)  # torch 2.13's ZBV eval() still runs its backward actions
             self._schedules[key] = schedule
         return self._schedules[key]
 
