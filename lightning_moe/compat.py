@@ -10,15 +10,13 @@ Lightning (plain torchrun scripts).
 The planner's private torch classes (fake tensors, ``ModTracker``, ``TorchDispatchMode``...) are
 re-exported as they are, imported on first use (``_LAZY_NAMES``).
 
-Not routed here yet: ``mkldnn._linear_pointwise`` (``layers/cpu_gemm.py``: ``layers/`` imports
-torch only, and this module imports ``torch.distributed``); the planner's uses of private members
-of those classes and of torch's C bindings (``ShardingPropagator._propagate_tensor_meta_non_cached``
-and ``_propagate_tensor_meta_cached``, ``torch._C._clear_DTensor_sharding_propagator_cache``,
-``torch._C._distributed_c10d.ProcessGroup.unbox``, ``ScriptObject._type``, the op
-``aten._local_scalar_dense`` it recognises); ``nn.Module``'s
-``_buffers`` and ``_non_persistent_buffers_set`` (``checkpoint/hf_load.py``); the ``torch._C`` queries of
-``layers/expert_kernels.py`` and ``memory/saved_tensors.py`` (whose import rules do not name this
-module).
+Importing this module imports no ``torch.distributed`` module (those are imported inside the
+functions that use them), so the single-device ``layers/`` and ``memory/`` call it too.
+
+Deliberately not routed: ``nn.Module``'s ``_parameters`` and ``_buffers`` dictionaries (read and
+assigned in a few places to swap tensors in place). torch documents ``register_buffer`` /
+``register_parameter`` around them and every major library relies on them; wrapping a dict
+lookup would hide what the code does without making an upgrade safer.
 """
 
 from __future__ import annotations
@@ -28,22 +26,22 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as _local_shape_and_offset
 from torch.utils import _pytree
 
 __all__ = [
-    "compute_local_shape_and_global_offset", "default_process_group_backend", "default_store",
-    "device_constructors", "dtensor_op_dispatcher", "flash_attention_cpu", "flash_attention_cpu_backward",
-    "flash_attention_cuda", "flash_attention_cuda_backward", "format_summary_table", "fsdp_finish_root_backward",
-    "fsdp_lazy_init", "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state",
-    "fsdp_storage_modules", "has_scaled_grouped_mm", "init_dist_connection", "is_local_path", "is_runtime_schedule",
-    "is_strided_shard", "keep_forward_actions", "layout_lookup_global", "optimizers_to_device",
-    "register_fake_backend", "resolve_process_group", "scaled_grouped_mm", "scaled_mm", "set_default_group_timeout",
-    "set_element", "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at",
-    "start_child_ranks", "storage_alignment", "storage_identity", "storage_type_name", "subprocess_script_launcher",
-    "sync_ddp_if_available", "tensor_rebuild_function", "torch_zip_writer", "tree_flatten", "tree_map_only",
-    "typed_storage_parts",
+    "clear_sharding_caches", "compute_local_shape_and_global_offset", "current_graph_task_id",
+    "default_process_group_backend", "default_store", "device_constructors", "dtensor_op_dispatcher",
+    "flash_attention_cpu", "flash_attention_cpu_backward", "flash_attention_cuda",
+    "flash_attention_cuda_backward", "format_summary_table", "fsdp_finish_root_backward", "fsdp_lazy_init",
+    "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state", "fsdp_storage_modules",
+    "has_scaled_grouped_mm", "host_read_op", "init_dist_connection", "is_local_path", "is_runtime_schedule",
+    "is_strided_shard", "keep_forward_actions", "layout_lookup_global", "onednn_linear",
+    "optimizers_to_device", "patch_tensor_meta_propagation", "register_fake_backend", "resolve_process_group",
+    "scaled_grouped_mm", "scaled_mm", "script_object_kind", "set_default_group_timeout", "set_element",
+    "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at", "start_child_ranks",
+    "storage_alignment", "storage_identity", "storage_type_name", "subprocess_script_launcher",
+    "sync_ddp_if_available", "tensor_rebuild_function", "top_saved_tensors_hooks", "torch_zip_writer",
+    "tree_flatten", "tree_map_only", "typed_storage_parts", "unbox_process_group",
 ]
 
 
@@ -94,13 +92,17 @@ def fsdp_finish_root_backward(root_state: Any) -> None:
 def dtensor_op_dispatcher() -> Any:
     """DTensor's operator dispatcher (``DTensor._op_dispatcher``, torch 2.13): holds the
     implicit-replication flag and the sharding propagator with its caches."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor._op_dispatcher
 
 
 def compute_local_shape_and_global_offset(global_shape, mesh, placements) -> tuple:
     """``(local shape, global offset)`` of this rank's piece of a DTensor of ``global_shape``
     (``torch.distributed.tensor._utils``, torch 2.13)."""
-    return _local_shape_and_offset(global_shape, mesh, placements)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(global_shape, mesh, placements)
 
 
 def tree_flatten(tree: Any) -> tuple[list, Any]:
@@ -286,6 +288,66 @@ def is_strided_shard(placement: Any) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return isinstance(placement, _StridedShard)
+
+
+def onednn_linear(a: Tensor, w: Tensor) -> Tensor:
+    """``a @ w.T`` through oneDNN's fp32 linear, ``torch.ops.mkldnn._linear_pointwise`` (torch 2.13;
+    the op ``torch.compile`` lowers CPU linears to). Callers check it computes correctly first."""
+    return torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+
+
+def current_graph_task_id() -> int:
+    """Id of the autograd backward call running now: ``torch._C._current_graph_task_id()`` (torch
+    2.13); -1 outside a backward or where torch lacks the query."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current() if current is not None else -1
+
+
+def top_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost active ``saved_tensors_hooks`` ``(pack, unpack)`` pair:
+    ``torch._C._autograd._top_saved_tensors_default_hooks(False)`` (torch 2.13); None when none is
+    active or torch lacks the query."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+def clear_sharding_caches(propagator: Any) -> None:
+    """Empty DTensor's caches of op output layouts: the C++ fast path's
+    (``torch._C._clear_DTensor_sharding_propagator_cache``) and ``propagator``'s Python ones
+    (``propagate_op_sharding`` and ``_propagate_tensor_meta_cached``; torch 2.13)."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+
+
+def patch_tensor_meta_propagation(wrap: Callable[[Callable], Callable]) -> Any:
+    """A context manager replacing ``ShardingPropagator._propagate_tensor_meta_non_cached`` (the
+    call in which DTensor runs an op on global-shape fake tensors to learn its output's shape,
+    torch 2.13) by ``wrap(original)`` while it is entered."""
+    from unittest import mock
+
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    return mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", wrap(original))
+
+
+def script_object_kind(value: Any) -> str:
+    """The TorchScript class name of a ``torch.ScriptObject`` (``value._type()``, torch 2.13), e.g.
+    ``"__torch__.torch.classes.c10d.ProcessGroup"``; "" for anything else."""
+    return str(value._type()) if isinstance(value, torch.ScriptObject) else ""
+
+
+def unbox_process_group(value: Any) -> Any:
+    """The ``ProcessGroup`` behind a ``ProcessGroup`` script object a dispatched collective
+    receives (``torch._C._distributed_c10d.ProcessGroup.unbox``, torch 2.13)."""
+    return torch._C._distributed_c10d.ProcessGroup.unbox(value)
+
+
+def host_read_op() -> Any:
+    """The aten op a tensor's ``.item()`` / ``bool()`` dispatches to (``aten._local_scalar_dense``):
+    the one host read a dispatch mode can see (torch 2.13)."""
+    return torch.ops.aten._local_scalar_dense.default
 
 
 def resolve_process_group(name: str) -> Any:

@@ -7,9 +7,12 @@ Oracle: the package's own source, read (not imported) file by file.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from lightning_moe import compat
@@ -31,6 +34,9 @@ ROUTED = (
     "aten._scaled_dot_product_flash_attention_for_cpu_backward", "_SubprocessScriptLauncher", "_call_children_scripts",
     "_is_local_file_protocol", "_StridedShard", "torch._subclasses", "distributed._tools", "tensor._sharding_prop",
     "utils._python_dispatch", "_resolve_process_group", "_cdata", "fsdp._fully_shard", "_open_zipfile_writer",
+    # torch's C bindings and private ops, and private members the planner reads or patches.
+    "torch._C.", "_linear_pointwise", "_current_graph_task_id", "_top_saved_tensors_default_hooks",
+    "_propagate_tensor_meta", "_type()", "ProcessGroup.unbox", "_local_scalar_dense",
 )
 
 # A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...); a
@@ -76,3 +82,49 @@ def test_tree_helpers_flatten_and_map_nested_containers():
     assert len(leaves) == 3 and leaves[2] == 3
     doubled = compat.tree_map_only(torch.Tensor, lambda t: t * 2, tree)
     assert torch.equal(doubled["a"], torch.full((2,), 2.0)) and doubled["b"][1] == 3
+
+
+def test_importing_compat_imports_no_distributed_module():
+    # layers/ and memory/ call compat and must stay single-device code (docs/architecture.md §1).
+    code = (
+        "import sys, torch; before = {m for m in sys.modules if m.startswith('torch.distributed.')}; "
+        "import lightning_moe.compat; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.') and m not in before))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"importing lightning_moe.compat imported {out}"
+
+
+def test_graph_task_id_tells_one_backward_from_another():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda grad: seen.append(compat.current_graph_task_id()))
+    (x * 2).sum().backward()
+    (x * 3).sum().backward()
+    assert compat.current_graph_task_id() == -1  # outside any backward
+    assert len(seen) == 2 and min(seen) >= 0 and seen[0] != seen[1]
+
+
+def test_top_saved_tensors_hooks_is_the_innermost_pair():
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    assert compat.top_saved_tensors_hooks() is None
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert compat.top_saved_tensors_hooks() == (pack, unpack)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_onednn_linear_is_a_times_w_transposed():
+    gen = torch.Generator().manual_seed(0)
+    a, w = torch.randn(16, 24, generator=gen), torch.randn(8, 24, generator=gen)
+    torch.testing.assert_close(compat.onednn_linear(a, w), a @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_script_object_kind_names_a_reduce_op_and_nothing_else():
+    # The script object c10d's dispatched collectives receive for their reduction.
+    assert "ReduceOp" in compat.script_object_kind(torch.classes.c10d.ReduceOp())
+    assert compat.script_object_kind(torch.ones(1)) == "" and compat.script_object_kind("sum") == ""

@@ -38,6 +38,8 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import Tensor
 
+from lightning_moe.compat import onednn_linear
+
 __all__ = [
     "BACKENDS", "ENV_VAR", "ONEDNN_MIN_ROWS", "ONEDNN_MIN_SPEEDUP", "AtenGemm", "OneDnnGemm", "cpu_gemm_backend",
     "gemm_for", "measured_cpu_gemm_choice", "onednn_available", "padded_row_count", "pin_cpu_gemm_choices",
@@ -64,7 +66,7 @@ _measure_lock = threading.Lock()
 
 def _onednn_linear(a: Tensor, w: Tensor) -> Tensor:
     """``a @ w.T`` through oneDNN (a private torch op: :func:`onednn_available` checks it first)."""
-    return torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+    return onednn_linear(a, w)
 
 
 @functools.cache

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe.compat import current_graph_task_id
 from lightning_moe.layers.activations import activation_backward, activation_fn, activation_with_cache
 from lightning_moe.layers.cpu_gemm import gemm_for
 from lightning_moe.layers.permute import check_permutation_sizes
@@ -176,8 +177,7 @@ class ExpertGradWorkspace:
 
 def _graph_task_id() -> int:
     """Id of the backward call running now (-1 outside one, or where torch cannot tell)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current() if current is not None else -1
+    return current_graph_task_id()
 
 
 def _release_hook(workspace: weakref.ref, name: str) -> Callable[[Tensor], None]:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_moe.compat import top_saved_tensors_hooks
+
 __all__ = [
     "NOT_HANDLED",
     "SavedTensorCounter",
@@ -37,8 +39,7 @@ NOT_HANDLED = object()
 
 def current_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     """The innermost active ``(pack, unpack)`` pair, or None (none active, or torch lacks the query)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
+    return top_saved_tensors_hooks()
 
 
 def storage_of(tensor: Tensor) -> torch.UntypedStorage | None:

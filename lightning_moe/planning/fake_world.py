@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 import torch.distributed as dist
 
-from lightning_moe.compat import dtensor_op_dispatcher, register_fake_backend
+from lightning_moe.compat import clear_sharding_caches, dtensor_op_dispatcher, register_fake_backend
 
 __all__ = ["fake_rank", "forget_dtensor_layouts"]
 
@@ -47,8 +46,5 @@ def forget_dtensor_layouts() -> None:
     one process, or a rank forked from a process that played one, would get DTensors on the
     earlier rank's mesh, whose coordinate is that rank's. A real job has one rank per process,
     where that mesh is always its own."""
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    propagator = dtensor_op_dispatcher().sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
+    clear_sharding_caches(dtensor_op_dispatcher().sharding_propagator)
 

@@ -49,11 +49,14 @@ import lightning_moe
 from lightning_moe.compat import (
     FakeTensor,
     ModTracker,
-    ShardingPropagator,
+    host_read_op,
     is_traceable_wrapper_subclass,
+    patch_tensor_meta_propagation,
     resolve_process_group,
+    script_object_kind,
     storage_identity,
     tree_flatten,
+    unbox_process_group,
 )
 from lightning_moe.planning.live_bytes import LiveBytes
 
@@ -199,7 +202,7 @@ def _reduce_op(kind: str, flat: list[Any]) -> str:
     if kind not in ("all_reduce", "reduce_scatter"):
         return ""
     for arg in flat:
-        if isinstance(arg, torch.ScriptObject) and "ReduceOp" in str(arg._type()):
+        if "ReduceOp" in script_object_kind(arg):
             return _REDUCE_OPS[arg.op()]
         if isinstance(arg, str) and arg.lower() in _REDUCE_OPS.values():
             return arg.lower()
@@ -294,7 +297,7 @@ class StepProbe(LiveBytes):
         kwargs = kwargs or {}
         if DTensor in types:
             return NotImplemented  # let DTensor desugar into local ops and collectives, then see those
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is host_read_op():
             if not isinstance(args[0], FakeTensor):  # a real tensor: made outside FakeTensorMode, on the host
                 self.record.host_tensor_reads += 1
                 return func(*args, **kwargs)
@@ -315,8 +318,8 @@ class StepProbe(LiveBytes):
         group = None
         flat = tree_flatten((args, kwargs))[0]
         for arg in flat:
-            if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
-                group = torch._C._distributed_c10d.ProcessGroup.unbox(arg)
+            if "ProcessGroup" in script_object_kind(arg):
+                group = unbox_process_group(arg)
         if group is None:  # functional collectives name their group last
             group = resolve_process_group([a for a in args if isinstance(a, str)][-1])
         first = next(a for a in flat if isinstance(a, torch.Tensor))
@@ -352,11 +355,10 @@ class StepProbe(LiveBytes):
         """Route ``FakeTensor.tolist`` and ``torch.cuda.synchronize`` through the probe, give fake
         tensors and their storages addresses (`_fake_data_ptr`, `_fake_storage_ptr`) and mark DTensor's
         shape propagation (`_propagation`)."""
-        propagator = ShardingPropagator._propagate_tensor_meta_non_cached
         storage_ptr = torch.UntypedStorage.data_ptr
         with mock.patch.object(FakeTensor, "tolist", lambda tensor: self._tolist(tensor)), \
                 mock.patch.object(FakeTensor, "data_ptr", _fake_data_ptr), \
                 mock.patch.object(torch.UntypedStorage, "data_ptr", lambda s: storage_ptr(s) or _fake_storage_ptr(s)), \
                 mock.patch.object(torch.cuda, "synchronize", self._synchronize), \
-                mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", self._propagation(propagator)):
+                patch_tensor_meta_propagation(self._propagation):
             yield
