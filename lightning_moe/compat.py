@@ -13,8 +13,10 @@ re-exported as they are, imported on first use (``_LAZY_NAMES``).
 Importing this module imports no ``torch.distributed`` module (those are imported inside the
 functions that use them), so the single-device ``layers/`` and ``memory/`` call it too.
 
-Deliberately not routed: ``nn.Module``'s ``_parameters`` and ``_buffers`` dictionaries (read and
-assigned in a few places to swap tensors in place). torch documents ``register_buffer`` /
+Deliberately not routed: ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules`` and
+``_non_persistent_buffers_set`` (read and assigned in a few places to swap tensors or children in
+place), and a LightningModule subclass reading its own ``_trainer`` (None outside a Trainer, where
+``self.trainer`` raises). torch documents ``register_buffer`` /
 ``register_parameter`` around them and every major library relies on them; wrapping a dict
 lookup would hide what the code does without making an upgrade safer.
 """
@@ -30,18 +32,19 @@ from torch.utils import _pytree
 
 __all__ = [
     "clear_sharding_caches", "compute_local_shape_and_global_offset", "current_graph_task_id",
-    "default_process_group_backend", "default_store", "device_constructors", "dtensor_op_dispatcher",
-    "flash_attention_cpu", "flash_attention_cpu_backward", "flash_attention_cuda",
+    "default_process_group_backend", "default_store", "device_constructors", "dtensor_local",
+    "dtensor_op_dispatcher", "flash_attention_cpu", "flash_attention_cpu_backward", "flash_attention_cuda",
     "flash_attention_cuda_backward", "format_summary_table", "fsdp_finish_root_backward", "fsdp_lazy_init",
     "fsdp_param_groups", "fsdp_root_states", "fsdp_shared_states", "fsdp_state", "fsdp_storage_modules",
     "has_scaled_grouped_mm", "host_read_op", "init_dist_connection", "is_local_path", "is_runtime_schedule",
-    "is_strided_shard", "keep_forward_actions", "layout_lookup_global", "onednn_linear",
+    "is_strided_shard", "keep_forward_actions", "layout_lookup_global", "logs_this_step", "onednn_linear",
     "optimizers_to_device", "patch_tensor_meta_propagation", "register_fake_backend", "resolve_process_group",
     "scaled_grouped_mm", "scaled_mm", "script_object_kind", "set_default_group_timeout", "set_element",
     "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at", "start_child_ranks",
     "storage_alignment", "storage_identity", "storage_type_name", "subprocess_script_launcher",
-    "sync_ddp_if_available", "tensor_rebuild_function", "top_saved_tensors_hooks", "torch_zip_writer",
-    "tree_flatten", "tree_map_only", "typed_storage_parts", "unbox_process_group",
+    "sync_ddp_if_available", "tensor_rebuild_function", "tensor_version", "top_saved_tensors_hooks",
+    "torch_zip_writer", "trainer_results", "tree_flatten", "tree_map_only", "typed_storage_parts",
+    "unbox_process_group", "view_base",
 ]
 
 
@@ -350,6 +353,23 @@ def host_read_op() -> Any:
     return torch.ops.aten._local_scalar_dense.default
 
 
+def tensor_version(tensor: Tensor) -> int:
+    """The in-place version counter of ``tensor`` (``tensor._version``, torch 2.13: the counter
+    autograd checks saved tensors against; every in-place op bumps it)."""
+    return tensor._version
+
+
+def view_base(tensor: Tensor) -> Tensor | None:
+    """The tensor ``tensor`` is a view of (``tensor._base``, torch 2.13), or None for a non-view."""
+    return tensor._base
+
+
+def dtensor_local(tensor: Tensor) -> Tensor:
+    """The local shard behind a DTensor without autograd's view (``DTensor._local_tensor``, torch
+    2.13); any other tensor as it is."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 def resolve_process_group(name: str) -> Any:
     """The process group a functional collective names by its string
     (``torch.distributed.distributed_c10d._resolve_process_group``, torch 2.13)."""
@@ -392,6 +412,18 @@ def __getattr__(name: str) -> Any:
 
 
 # --- Lightning ---------------------------------------------------------------------------------
+
+
+def trainer_results(trainer: Any) -> Any:
+    """The running loop's logged-metric collection (``trainer._results``, a ``_ResultCollection``,
+    Lightning 2.6): keys ``<hook>.<name>``, each entry with ``reset()``."""
+    return trainer._results
+
+
+def logs_this_step(trainer: Any) -> bool:
+    """Whether Lightning writes step metrics to the loggers after this batch (its logger
+    connector's ``should_update_logs``, Lightning 2.6), or ``fast_dev_run`` is on."""
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
 
 
 def set_skip_backward(trainer: Any, skip: bool) -> None:

@@ -36,7 +36,8 @@ ROUTED = (
     "utils._python_dispatch", "_resolve_process_group", "_cdata", "fsdp._fully_shard", "_open_zipfile_writer",
     # torch's C bindings and private ops, and private members the planner reads or patches.
     "torch._C.", "_linear_pointwise", "_current_graph_task_id", "_top_saved_tensors_default_hooks",
-    "_propagate_tensor_meta", "_type()", "ProcessGroup.unbox", "_local_scalar_dense",
+    "_propagate_tensor_meta", "_type()", "ProcessGroup.unbox", "_local_scalar_dense", "._version", "._base",
+    "_local_tensor", "._results", "_logger_connector",
 )
 
 # A name, not the tail of a longer one (compat's own fsdp_lazy_init, set_skip_backward...); a

@@ -41,6 +41,7 @@ from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
+from lightning_moe.compat import logs_this_step, trainer_results
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.metrics.heatmap import (
     HEATMAP_EXTRA_HINT,
@@ -234,7 +235,7 @@ class LoadBalanceMonitor(Callback):
         """
         if not self._logged_keys:
             return
-        results = trainer._results
+        results = trainer_results(trainer)
         for key in self._logged_keys:
             if key in results:
                 results[key].reset()
@@ -287,8 +288,7 @@ class LoadBalanceMonitor(Callback):
         # test as its logger connector's); there ``self.log`` puts the values on the row of the
         # module's own step values. float64 CPU tensors: exact counts and no device round trip.
         # Without loggers nothing is written either way (and ``self.log`` would warn per name).
-        connector = trainer._logger_connector
-        writes = connector.should_update_logs or trainer.fast_dev_run
+        writes = logs_this_step(trainer)
         if pl_module is not None and trainer.loggers and writes:
             values = {k: torch.tensor(v, dtype=torch.float64) for k, v in self.last_metrics.items()}
             pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)

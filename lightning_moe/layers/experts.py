@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_moe.compat import tensor_version
 from lightning_moe.layers.activations import activation_fn, is_gated
 from lightning_moe.layers.expert_kernels import (
     ExpertGradWorkspace,
@@ -127,13 +128,13 @@ class WeightCastCache:
         if entry is not None:
             owner, version, cast = entry
             if (
-                owner() is param and version == param._version and cast.dtype == dtype
+                owner() is param and version == tensor_version(param) and cast.dtype == dtype
                 and cast.device == param.device and (cast.requires_grad or not needs_graph)
             ):
                 return cast
         # A copy made under no_grad is not differentiable: replaced by the next training forward.
         cast = param.to(dtype)
-        self._entries[name] = (weakref.ref(param), param._version, cast)
+        self._entries[name] = (weakref.ref(param), tensor_version(param), cast)
         return cast
 
     def clear(self) -> None:

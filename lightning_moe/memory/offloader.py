@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_moe.compat import view_base
 from lightning_moe.memory.saved_tensors import NOT_HANDLED, chained_saved_tensors_hooks, storage_of
 
 __all__ = ["ActivationOffloader", "OffloadStats"]
@@ -174,7 +175,7 @@ class ActivationOffloader:
     # ------------------------------------------------------------------------------- forward
 
     def _eligible(self, tensor: Tensor, storage: torch.UntypedStorage | None) -> bool:
-        base = tensor if tensor._base is None else tensor._base
+        base = tensor if view_base(tensor) is None else view_base(tensor)
         if base.is_leaf and base.requires_grad:
             return False  # parameters (and views such as linear's weight.t()): not activations
         return (

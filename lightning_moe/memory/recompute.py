@@ -32,8 +32,7 @@ Standard checkpoint: ``torch.utils.checkpoint`` (non-reentrant) around the modul
 installed as an instance attribute, so ``module(x)`` still runs the module's forward hooks
 (tensor parallelism puts its input/output conversions there) outside the recomputed region.
 
-Side effects once per micro-batch: the non-reentrant checkpoint recomputes
-with grad enabled, so a router's ``self.training and torch.is_grad_enabled()`` guard does not
+Side effects once per micro-batch: the non-reentrant checkpoint recomputes with grad enabled, so a router's ``self.training and torch.is_grad_enabled()`` guard does not
 stop the recomputation from counting tokens and logging losses a second time. The checkpoint
 therefore snapshots the module's buffers when the forward starts and, while recomputing, puts
 the buffers back to that snapshot (the recomputation sees exactly the state the forward saw,
@@ -61,6 +60,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_moe.compat import tensor_version
 from lightning_moe.layers.experts import GroupedExperts
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import TopKRouter
@@ -189,15 +189,15 @@ class _RestoreBuffers:
         entered = []
         with torch.no_grad():
             for buffer, version_at_forward, value_at_forward in self._snapshot:
-                entered.append((buffer, buffer._version, buffer.clone()))
-                if buffer._version != version_at_forward:
+                entered.append((buffer, tensor_version(buffer), buffer.clone()))
+                if tensor_version(buffer) != version_at_forward:
                     buffer.copy_(value_at_forward)
         self._active.append(entered)
 
     def __exit__(self, *args: object) -> None:
         with torch.no_grad():
             for buffer, version_at_enter, value_at_enter in self._active.pop():
-                if buffer._version != version_at_enter:
+                if tensor_version(buffer) != version_at_enter:
                     buffer.copy_(value_at_enter)
         for counters, values in self._active_counters.pop():
             vars(counters).update(values)
@@ -215,7 +215,7 @@ def _dispatch_counters(module: nn.Module) -> list[object]:
 def _side_effect_contexts(module: nn.Module) -> Callable[[], tuple]:
     def context_fn() -> tuple:
         # Called by checkpoint when the forward starts: snapshot every buffer (a few [E] tensors).
-        snapshot = [(b, b._version, b.detach().clone()) for b in module.buffers()]
+        snapshot = [(b, tensor_version(b), b.detach().clone()) for b in module.buffers()]
         return contextlib.nullcontext(), _RestoreBuffers(snapshot, _dispatch_counters(module))
 
     return context_fn

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_moe.compat import top_saved_tensors_hooks
+from lightning_moe.compat import dtensor_local, top_saved_tensors_hooks
 
 __all__ = [
     "NOT_HANDLED",
@@ -44,9 +44,7 @@ def current_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
 
 def storage_of(tensor: Tensor) -> torch.UntypedStorage | None:
     """The untyped storage behind ``tensor`` (the local shard's for a DTensor), or None."""
-    local = getattr(tensor, "_local_tensor", None)
-    if local is not None:
-        tensor = local
+    tensor = dtensor_local(tensor)
     try:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):

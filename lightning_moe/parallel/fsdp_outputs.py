@@ -17,7 +17,7 @@ from typing import Any
 from torch import Tensor, autograd, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.compat import tree_map_only
+from lightning_moe.compat import tree_map_only, view_base
 
 __all__ = ["return_no_views"]
 
@@ -35,7 +35,7 @@ class _Alias(autograd.Function):
 
 
 def _unview(t: Tensor) -> Tensor:
-    if isinstance(t, DTensor) or t._base is None or not t.requires_grad:
+    if isinstance(t, DTensor) or view_base(t) is None or not t.requires_grad:
         return t
     return _Alias.apply(t)
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_moe.compat import tensor_version
 from lightning_moe.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from lightning_moe.parallel.layout.groups import ParallelContext
 
@@ -101,7 +102,7 @@ class GradientGuard:
 
 def _versions(params: list[Tensor]) -> tuple:
     # Which gradient tensors, at which in-place version: any change to them changes this.
-    return tuple((id(p.grad), _local(p.grad)._version) for p in params)
+    return tuple((id(p.grad), tensor_version(_local(p.grad))) for p in params)
 
 
 def _local(tensor: Tensor) -> Tensor:
