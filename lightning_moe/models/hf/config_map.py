@@ -47,8 +47,11 @@ _REFUSED_IF_SET = ("quantization_config",)
 
 
 def family_of(raw: Mapping[str, Any]) -> str:
-    """The family of a ``config.json`` (its ``model_type``), or an error listing the supported ones."""
+    """The family of a ``config.json`` (its ``model_type``, or a family's alias of it such as Kimi K2's
+    ``kimi_k2``), or an error listing the supported ones."""
     family, supported = raw.get("model_type"), model_families()
+    aliases = {alias: name for name in supported for alias in _REGISTERED[name].model_type_aliases}
+    family = aliases.get(family, family)
     if family not in supported:
         titles = [_REGISTERED[name].title for name in supported]
         raise ValueError(

@@ -76,6 +76,8 @@ class Family:
         expert_names: the (gate, up, down) projection names of one expert on disk.
         weight_defaults: ``(names written, config) -> tensors`` the family always has that a model
             without them writes as their neutral value.
+        model_type_aliases: other ``model_type`` s of ``config.json`` files this family reads as its
+            own (Kimi K2's ``kimi_k2``, whose custom code is DeepSeek-V3's); writing uses ``name``.
         trailing_layers: ``(what the decoder layers past num_layers hold, why they are skipped)``
             for a family whose checkpoints carry such layers (loading skips them with a warning);
             None: such tensors are an error like any other unknown one.
@@ -107,6 +109,7 @@ class Family:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     weight_defaults: Callable[[set[str], MoETransformerConfig], dict[str, Tensor]] | None = None
     trailing_layers: tuple[str, str] | None = None
+    model_type_aliases: tuple[str, ...] = ()
     block_class: str | None = None
     block_weights: Mapping[str, Source] = field(default_factory=dict)
 

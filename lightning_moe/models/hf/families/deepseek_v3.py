@@ -4,7 +4,8 @@ As ``transformers`` 5.24's ``modeling_deepseek_v3``: sigmoid scores, ``e_score_c
 added for selection only (our expert bias), groups scored by their top-2 biased scores,
 renormalised, times ``routed_scaling_factor``; ``n_shared_experts`` ungated shared experts; the
 first ``first_k_dense_replace`` layers dense. ``seq_aux`` / ``aux_loss_alpha`` map to
-``seq_aux_loss``. Checkpoints carry multi-token-prediction layers past ``num_hidden_layers``,
+``seq_aux_loss``. Kimi K2's ``config.json`` (``model_type`` ``kimi_k2``: the same architecture,
+with 384 experts and one group) reads as this family. Checkpoints carry multi-token-prediction layers past ``num_hidden_layers``,
 which this model does not implement: loading skips them with a warning; writing adds the zero
 score-correction bias a model without expert bias lacks. The router and layer pattern are shared
 with GLM-4.5 (:mod:`lightning_moe.models.hf.sigmoid_family`).
@@ -80,6 +81,7 @@ DEEPSEEK_V3 = register_family(Family(
     export_problems=_export_problems, export_fields=_export_fields,
     weight_defaults=zero_score_bias,
     trailing_layers=("DeepSeek-V3's multi-token-prediction module", "multi-token prediction is not implemented"),
+    model_type_aliases=("kimi_k2",),  # Kimi K2's config.json names its copy of DeepSeek-V3's code so
     block_class="DeepseekV3MoE",
     block_weights={"router.expert_bias": "gate.e_score_correction_bias", **shared_mlp_sources("shared_experts")},
 ))
