@@ -23,7 +23,7 @@ from lightning_moe.models import DenseMLP, MoETransformer, MoETransformerConfig,
 from lightning_moe.models.hf import config_from_hf
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs" / "models"
-PRESETS = ("qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3_style", "kimi_k2")
+PRESETS = ("qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3_style", "kimi_k2", "glm_4_5_air")
 
 # (total, active) from the model cards / papers named in each YAML's header. DeepSeek-V3's are
 # those of the main model: its published checkpoint adds a 14B multi-token-prediction module.
@@ -59,6 +59,12 @@ EXACT = {
     # 3 x 7168 x 18432 = 396,361,728; 60 MoE layers of router 384 x 7168 + 385 experts (384 routed,
     # 1 shared) of 3 x 2048 x 7168 = 16,958,226,432 each (active: router + 9 experts = 399,114,240).
     "kimi_k2": (1_026_408_209_408, 32_861_477_888),
+    # GLM-4.5-Air by hand: embedding + head 2 x 151552 x 4096 = 1,241,513,984; final norm 4,096; per
+    # layer attention 109,066,240 (q 12288 x 4096, k and v 1024 x 4096, o 4096 x 12288, biases
+    # 12288 + 2 x 1024) + two norms 8,192, x 46; dense layer 0 3 x 4096 x 10944 = 134,479,872; 45
+    # MoE layers of router 128 x 4096 + 129 experts (128 routed, 1 shared) of 3 x 1408 x 4096 =
+    # 2,232,418,304 each (active: router + 9 experts = 156,237,824).
+    "glm_4_5_air": (106_852_245_504, 13_424_123_904),
 }
 
 # The published config.json of each preset's model (keys transformers reads; token ids and
@@ -121,6 +127,18 @@ PUBLISHED_CONFIG_JSON = {
         "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "seq_aux": True,
         "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "v_head_dim": 128,
         "vocab_size": 163840,
+    },
+    # zai-org/GLM-4.5-Air's config.json (its MTP layer, num_nextn_predict_layers 1, is skipped on load).
+    "glm_4_5_air": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+        "attention_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 10944,
+        "max_position_embeddings": 131072, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+        "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+        "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": False,
+        "vocab_size": 151552,
     },
 }
 # Training settings a preset takes from its paper: (top-level fields, moe fields), and why.
@@ -214,6 +232,28 @@ def test_deepseek_v3_style_layout():
     assert moe.shared_expert.fc1.weight.shape == (2 * 2048, 7168)
     assert moe.router.expert_bias.shape == (256,)
     assert (config.moe.num_groups, config.moe.group_top_k, config.moe.topk_scaling_factor) == (8, 4, 2.5)
+
+
+def test_glm_4_5_air_counts_match_the_model_card_without_embeddings():
+    # The card's 106B total and 12B active exclude the embedding and the output head.
+    config = load_preset("glm_4_5_air")
+    embeddings = 2 * config.vocab_size * config.hidden_size
+    total, active = config.num_parameters() - embeddings, config.num_parameters(active=True) - embeddings
+    assert abs(total - 106e9) <= REL_TOL * 106e9, f"{total:,}"
+    assert abs(active - 12e9) <= 0.5e9, f"{active:,}"  # "12B": two significant digits
+    assert (config.num_parameters(), config.num_parameters(active=True)) == EXACT["glm_4_5_air"]
+
+
+def test_glm_4_5_air_attention_shapes():
+    config = load_preset("glm_4_5_air")
+    assert config.rotary_dim == 64 and config.moe_layers == list(range(1, 46))
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    attn = model.layers[0].attn
+    assert attn.q_proj.weight.shape == (96 * 128, 4096) and attn.q_proj.bias.shape == (96 * 128,)
+    assert attn.k_proj.bias.shape == attn.v_proj.bias.shape == (8 * 128,)
+    assert attn.o_proj.bias is None and attn.q_norm is None
+    assert model.layers[1].ffn.shared_expert.fc1.weight.shape == (2 * 1408, 4096)
 
 
 def test_kimi_k2_layout():
