@@ -10,8 +10,8 @@ defaults of ``transformers``' config classes. The reverse direction is :mod:`.co
 This module holds what every family shares (the common keys, rope, the common refusals); each
 family's routing, defaults and quirks are its own file in :mod:`lightning_moe.models.hf.families`
 (:class:`~lightning_moe.models.hf.registry.Family`). Training-only settings map where
-``config.json`` carries them: ``router_aux_loss_coef`` to the ``aux_loss`` coefficient (Qwen3,
-Mixtral, OLMoE); DeepSeek's ``seq_aux`` / ``aux_loss_alpha`` to ``seq_aux_loss``;
+``config.json`` carries them: ``router_aux_loss_coef`` to the ``aux_loss`` coefficient (Qwen2,
+Qwen3, Mixtral, OLMoE); DeepSeek's ``seq_aux`` / ``aux_loss_alpha`` to ``seq_aux_loss``;
 ``initializer_range`` to both ``init_std``.
 """
 
