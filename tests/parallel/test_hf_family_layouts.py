@@ -1,4 +1,4 @@
-"""Qwen2-MoE and GLM-4.5 models loaded into TP=2, EP=2 and CP=2 layouts give ``transformers``' logits.
+"""Qwen2-MoE and GLM-4.5 models loaded into TP=2, EP=2, CP=2 and PP=2 layouts give ``transformers``' logits.
 
 Oracle: ``transformers``' own model of each tiny directory (random weights, every norm and bias
 moved off its start, written by its ``save_pretrained``): Qwen2-MoE with q/k/v biases and a
@@ -7,7 +7,9 @@ q/k/v biases and the sigmoid router. On 2 forked gloo ranks a model with *random
 parallelised, then filled by ``load_hf_weights`` (what ``init_from`` runs): under TP the q/k/v
 biases are sharded with their weights (column-parallel), under EP the experts; its forward must give
 ``transformers``' logits (fp32, 1e-5 of their scale), under CP on this rank's chunks of the sequence.
-Under TP and EP each rank reads less than the whole directory: only its slices.
+Under PP (one decoder layer per stage, 2 micro-batches) the pipeline's evaluation losses must be the
+cross-entropy of ``transformers``' logits on each micro-batch. Under TP, EP and PP each rank reads
+less than the whole directory: only its slices, or its stage's tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from helpers.hf import random_hf_model
 from torch.distributed.tensor import DTensor
 
 from lightning_moe.models import MoETransformer
+from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
@@ -29,7 +32,8 @@ pytestmark = pytest.mark.distributed
 
 WORLD, VOCAB, SEQ = 2, 64, 16  # SEQ divisible by TP and by 2 x CP
 LOGITS_TOL = 1e-5
-LAYOUTS = {"tp2": {"tp": 2, "etp": 1}, "ep2": {"ep": 2}, "cp2": {"cp": 2}}
+LAYOUTS = {"tp2": {"tp": 2, "etp": 1}, "ep2": {"ep": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}}
+MICRO = 2  # pipeline micro-batches
 
 
 def _hf_config(family: str):
@@ -66,6 +70,8 @@ def _load_and_forward(rank: int, world_size: int, path: str, layout: dict, token
     config = MoETransformer.from_pretrained(path).config  # the architecture only; the weights are re-drawn
     torch.manual_seed(100 + rank)
     model = MoETransformer(config)
+    if layout.get("pp", 1) > 1:
+        return _pipeline(model, ctx, path, tokens)
     parallelize(model, ctx)
     bias = model.layers[0].attn.q_proj.bias
     bias_placements = [(type(p).__name__, getattr(p, "dim", None)) for p in bias.placements] if isinstance(
@@ -74,6 +80,16 @@ def _load_and_forward(rank: int, world_size: int, path: str, layout: dict, token
     with torch.no_grad():
         logits = model.full_logits(model.eval()(shard_batch(tokens, ctx)))
     return {"logits": logits, "bytes_read": read, "bias_placements": bias_placements}
+
+
+def _pipeline(model, ctx, path: str, tokens) -> dict:
+    from lightning_moe.checkpoint.hf_load import load_hf_weights
+    from lightning_moe.parallel.pipeline.runner import PipelineRunner
+
+    runner = PipelineRunner(model, ctx, "1F1B", MICRO, next_token_loss, torch.device("cpu"))
+    read = load_hf_weights(model, path)  # this stage's tensors
+    losses = runner.eval_microbatches(tokens[:, :-1], tokens[:, 1:])
+    return {"losses": losses, "bytes_read": read}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -86,9 +102,19 @@ def test_layout_equals_transformers(hf_dir, layout, tmp_path):
     reference = MoETransformer.from_pretrained(path)
     total = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
     for rank, result in enumerate(results):
+        assert 0 < result["bytes_read"] <= total, (rank, result["bytes_read"], total)
+        if layout == "pp2":  # the micro-batches' losses, from transformers' logits of the same rows
+            with torch.no_grad():
+                hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+                logits = hf(input_ids=tokens[:, :-1]).logits
+            want = torch.stack([next_token_loss(part, targets) for part, targets in
+                                zip(logits.chunk(MICRO), tokens[:, 1:].chunk(MICRO))])
+            torch.testing.assert_close(result["losses"], want, rtol=LOGITS_TOL, atol=0.0, msg=f"rank {rank}")
+            assert result["bytes_read"] < total, (rank, result["bytes_read"], total)
+            continue
         want = shard_sequence(expected, rank, WORLD, dim=1) if layout == "cp2" else expected
         assert_close_to_scale(result["logits"], want, LOGITS_TOL, f"{layout} rank {rank} logits")
         if layout == "tp2":  # the q/k/v biases are split over the heads, as their weights
             assert result["bias_placements"] == [("Shard", 0)], result["bias_placements"]
         if layout != "cp2":  # only this rank's slices of the sharded tensors are read
-            assert 0 < result["bytes_read"] < total, (rank, result["bytes_read"], total)
+            assert result["bytes_read"] < total, (rank, result["bytes_read"], total)
