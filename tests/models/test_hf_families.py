@@ -17,6 +17,7 @@ dropless routing makes no token's output depend on another's routing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -426,6 +427,14 @@ def test_save_pretrained_refuses_what_the_family_cannot_hold(tmp_path):
         MoETransformer(config).save_pretrained(tmp_path, family="mixtral")
     with pytest.raises(ValueError, match=r"Unknown family 'llama'"):
         MoETransformer(config).save_pretrained(tmp_path, family="llama")
+    plain = dataclasses.replace(config, moe=MoEConfig(32, 16, 4, top_k=2), attention_bias=True, partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match=r"attention_bias=True: mixtral has no q/k/v biases; partial_rotary_factor=0.5: "
+                                         r"mixtral rotates the whole head"):
+        MoETransformer(plain).save_pretrained(tmp_path, family="mixtral")
+    with pytest.raises(ValueError, match=r"every qwen2_moe MoE layer has a shared expert with a sigmoid gate"):
+        MoETransformer(config).save_pretrained(tmp_path, family="qwen2_moe")
+    with pytest.raises(ValueError, match=r"score_func='softmax' with top_k=2: glm4_moe renormalises sigmoid scores"):
+        MoETransformer(config).save_pretrained(tmp_path, family="glm4_moe")
 
 
 def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
