@@ -3,9 +3,9 @@
 :func:`infer_family` picks the first registered family that holds a config (MLA: DeepSeek-V3; q/k
 norm over the whole projection: OLMoE; per head: Qwen3-MoE; none: Mixtral; a gated shared expert
 and q/k/v biases: Qwen2-MoE; sigmoid routing or partial rotary with multi-head attention: GLM-4.5);
-:func:`config_to_hf` checks that
-the family's ``transformers`` implementation computes exactly this model and refuses, naming
-the setting, whatever it cannot hold (a shared expert in Mixtral, sigmoid scores in Qwen3...).
+:func:`config_to_hf` checks that the family's ``transformers`` implementation computes exactly
+this model and refuses, naming the setting, whatever it cannot hold (a shared expert in Mixtral,
+sigmoid scores in Qwen3, q/k/v biases in OLMoE...).
 Both the ``transformers`` 5 keys (``rope_parameters``) and the older ones (``rope_theta``,
 ``rope_scaling``) are written, so earlier ``transformers`` versions read the rotary settings too.
 """
