@@ -2,6 +2,7 @@
 
     python examples/make_tiny_hf_model.py tiny_qwen3_moe            # Qwen3-MoE, 8 experts
     python examples/make_tiny_hf_model.py tiny_ds --family deepseek_v3
+    python examples/make_tiny_hf_model.py tiny_glm --family glm4_moe   # also qwen2_moe
     lightning-moe fit --config examples/configs/hf_finetune_tiny.yaml
 
 The directory is what ``transformers``' ``save_pretrained`` writes (``config.json``, safetensors
@@ -22,11 +23,13 @@ import torch
 VOCAB_SIZE = 320
 """256 byte tokens, 3 special tokens, 61 merges; a multiple of 64 (tensor parallelism)."""
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen2_moe", "glm4_moe")
+"""The families :func:`tiny_config` makes."""
 
 
 def tiny_config(family: str = "qwen3_moe", vocab_size: int = VOCAB_SIZE):
-    """A small ``transformers`` config of ``family`` (``qwen3_moe`` or ``deepseek_v3``) that every
-    4-rank layout of the tests shards (heads, vocabulary and experts divide by 2 and 4)."""
+    """A small ``transformers`` config of ``family`` (one of :data:`FAMILIES`) that every 4-rank
+    layout of the tests shards (heads, vocabulary and experts divide by 2 and 4)."""
     import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=32, max_position_embeddings=128, initializer_range=0.1,
@@ -45,7 +48,20 @@ def tiny_config(family: str = "qwen3_moe", vocab_size: int = VOCAB_SIZE):
             q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, num_mtp_layers=0,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4},
         )
-    raise ValueError(f"Unknown family {family!r}; choose 'qwen3_moe' or 'deepseek_v3'.")
+    if family == "qwen2_moe":  # q/k/v biases, a sigmoid-gated shared expert, a dense layer
+        return transformers.Qwen2MoeConfig(
+            **common, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+            mlp_only_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        )
+    if family == "glm4_moe":  # partial rotary, q/k norm, q/k/v biases, DeepSeek-V3's router
+        return transformers.Glm4MoeConfig(
+            **common, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+            n_shared_experts=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+            partial_rotary_factor=0.5, num_mtp_layers=0, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        )
+    raise ValueError(f"Unknown family {family!r}; choose one of {', '.join(FAMILIES)}.")
 
 
 def tiny_model(family: str = "qwen3_moe", seed: int = 0) -> torch.nn.Module:
@@ -103,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     """Command line: ``make_tiny_hf_model.py OUT [--family F] [--seed N]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path, help="the directory to write")
-    parser.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3"])
+    parser.add_argument("--family", default="qwen3_moe", choices=list(FAMILIES))
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args(argv)
     make_tiny_model(options.output, options.family, options.seed)

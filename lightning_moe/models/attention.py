@@ -89,15 +89,17 @@ class CoreAttention(nn.Module):
 class Attention(nn.Module):
     """Causal multi-head / grouped-query self-attention with rotary embeddings and optional qk-norm.
 
-    Projections (``nn.Linear``, no bias; weights ``[out, in]``): ``q_proj`` ``[heads*D, H]``,
-    ``k_proj`` and ``v_proj`` ``[kv_heads*D, H]``, ``o_proj`` ``[H, heads*D]``. ``qk_norm`` (see
+    Projections (``nn.Linear``; weights ``[out, in]``): ``q_proj`` ``[heads*D, H]``,
+    ``k_proj`` and ``v_proj`` ``[kv_heads*D, H]``, ``o_proj`` ``[H, heads*D]``; with
+    ``attention_bias`` q/k/v have biases (Qwen2-MoE, GLM-4.5), ``o_proj`` never. ``qk_norm`` (see
     :func:`qk_norm_mode`): ``"head"`` (or True) makes ``q_norm`` and ``k_norm`` :class:`RMSNorm` s
     over one head (``[D]``), as in Qwen3; ``"full"`` makes them span the whole projection
     (``[heads*D]`` and ``[kv_heads*D]``), as in OLMoE. Either is applied before the rotation.
     Attention itself is ``core_attn`` (:class:`CoreAttention`,
     ``scaled_dot_product_attention(is_causal=True)``) with GQA (each kv head serves
     ``heads // kv_heads`` consecutive query heads). ``rope_interleaved`` selects DeepSeek's
-    pairing of rotary features (see :mod:`lightning_moe.models.rope`).
+    pairing of rotary features (see :mod:`lightning_moe.models.rope`); rotary tables narrower
+    than ``head_dim`` rotate only the first features of each head (partial rotary).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class Attention(nn.Module):
         qk_norm: bool | str = False,
         norm_eps: float = 1e-6,
         rope_interleaved: bool = False,
+        attention_bias: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -116,9 +119,9 @@ class Attention(nn.Module):
         self.qk_norm = qk_norm_mode(qk_norm)
         """None, ``"head"`` or ``"full"``: which query/key norm is applied."""
         self.rope_interleaved = rope_interleaved
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=attention_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=attention_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         full = self.qk_norm == "full"
         self.q_norm = RMSNorm(num_heads * head_dim if full else head_dim, norm_eps) if self.qk_norm else None
@@ -126,7 +129,7 @@ class Attention(nn.Module):
         self.core_attn = CoreAttention()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Attend causally over ``x`` ``[B, S, H]`` with rotary tables ``[S, D]``; returns ``[B, S, H]``."""
+        """Attend causally over ``x`` ``[B, S, H]`` with rotary tables ``[S, R]`` (``R <= D``); returns ``[B, S, H]``."""
         batch, seq, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":  # over every head at once, before the heads are split

@@ -135,6 +135,17 @@ class MoETransformerConfig:
     v_head_dim: int | None = None
     """MLA: per-head value width (HF and Megatron ``v_head_dim``)."""
 
+    attention_bias: bool = False
+    """Learned biases on ``q_proj``, ``k_proj`` and ``v_proj`` (not ``o_proj``), as Qwen2-MoE
+    (HF ``qkv_bias``) and GLM-4.5 (HF ``attention_bias``); Megatron ``add_qkv_bias``. Multi-head
+    attention only."""
+
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head the rotary embedding covers: the first ``int(head_dim * factor)``
+    features are rotated (pairs ``(j, j + R/2)`` within them), the rest pass through unchanged, as
+    GLM-4.5 (HF ``partial_rotary_factor``, 0.5; Megatron ``rotary_percent``). In ``(0, 1]``;
+    multi-head attention only (MLA sets its rotary width with ``qk_rope_head_dim``)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.moe_layer_freq, (list, tuple)):
             self.moe_layer_freq = [int(flag) for flag in self.moe_layer_freq]
@@ -159,8 +170,11 @@ class MoETransformerConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Width the rotary tables cover: the head width, or ``qk_rope_head_dim`` with MLA."""
-        return self.qk_rope_head_dim if self.attention == "mla" else self.attention_head_dim
+        """Width the rotary tables cover: ``int(head_dim * partial_rotary_factor)`` (the head width
+        by default), or ``qk_rope_head_dim`` with MLA."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.attention_head_dim * self.partial_rotary_factor)
 
     @property
     def qk_norm_mode(self) -> str | None:
@@ -212,8 +226,9 @@ class MoETransformerConfig:
         kv_width = self.kv_heads * self.attention_head_dim
         mode = self.qk_norm_mode
         norms = {None: 0, "head": 2 * self.attention_head_dim, "full": q_width + kv_width}[mode]
-        # q_proj [q, H], k_proj and v_proj [kv, H], o_proj [H, q]; no biases.
-        return 2 * q_width * self.hidden_size + 2 * kv_width * self.hidden_size + norms
+        biases = q_width + 2 * kv_width if self.attention_bias else 0  # on q_proj, k_proj, v_proj
+        # q_proj [q, H], k_proj and v_proj [kv, H], o_proj [H, q].
+        return 2 * q_width * self.hidden_size + 2 * kv_width * self.hidden_size + norms + biases
 
     def _mla_parameters(self) -> int:
         hidden, heads = self.hidden_size, self.num_attention_heads
@@ -292,6 +307,7 @@ class MoETransformerConfig:
                 f"head_dim={self.attention_head_dim} must be even and >= 2: rotary embeddings rotate "
                 "pairs of features."
             )
+        self._validate_rotary_width()
 
     def _validate_mla(self) -> None:
         required = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -321,6 +337,27 @@ class MoETransformerConfig:
             raise ValueError(
                 f"qk_norm does not apply to attention='mla' (got qk_norm={self.qk_norm!r}): its latents have "
                 "their own RMSNorms. Set qk_norm: false."
+            )
+        if self.attention_bias or self.partial_rotary_factor != 1.0:
+            raise ValueError(
+                f"attention_bias={self.attention_bias} and partial_rotary_factor={self.partial_rotary_factor} "
+                "apply to attention='mha' only (MLA's rotary width is qk_rope_head_dim); set "
+                "attention_bias: false and partial_rotary_factor: 1.0."
+            )
+
+    def _validate_rotary_width(self) -> None:
+        factor = self.partial_rotary_factor
+        if not 0 < factor <= 1:
+            raise ValueError(
+                f"partial_rotary_factor={factor} must be in (0, 1]: the fraction of each head the rotary "
+                "embedding covers (GLM-4.5: 0.5; 1.0 rotates the whole head)."
+            )
+        rotary = self.rotary_dim
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"partial_rotary_factor={factor} with head_dim={self.attention_head_dim} rotates "
+                f"int({self.attention_head_dim} * {factor}) = {rotary} features, which must be even and >= 2 "
+                "(rotary embeddings rotate pairs); choose a factor giving an even width."
             )
 
     def _validate_layer_pattern(self) -> None:

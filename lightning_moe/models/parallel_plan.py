@@ -23,7 +23,8 @@ about this model, read top to bottom (:func:`transformer_plan`, returned by
     back-propagates only its ``V / TP`` rows) and emits a sequence-sharded output;
   - norms run sequence parallel (each TP rank normalises its own slice of the sequence);
   - attention and dense MLPs gather the sequence, shard heads / hidden units column-wise
-    (q/k/v, gate/up) and row-wise (o, down), and scatter the result back over the sequence;
+    (q/k/v, gate/up) and row-wise (o, down), and scatter the result back over the sequence; the
+    q/k/v biases (``attention_bias``) are split over the heads with their weights (``Shard(0)``);
   - multi-head latent attention (Megatron's MLA plan): the down projections and latent norms are
     replicated DTensors fed the gathered sequence (each TP rank back-propagates only its heads, so
     their gradients arrive ``Partial`` and are summed over TP), the up projections column-parallel

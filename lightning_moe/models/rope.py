@@ -148,12 +148,18 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
-    """Rotate ``x`` ``[B, S, heads, D]`` by the position tables ``[S, D]`` (fp32 math).
+    """Rotate ``x`` ``[B, S, heads, D]`` by the position tables ``[S, R]`` (fp32 math).
 
-    ``interleaved`` pairs features ``(2j, 2j+1)``; the result is in the rotate-half layout then
-    (see the module docstring).
+    ``R <= D``: tables narrower than the head (partial rotary, GLM-4.5's ``partial_rotary_factor``)
+    rotate the first ``R`` features, pairing ``j`` with ``j + R/2`` within them, and pass the other
+    ``D - R`` through unchanged, as ``transformers`` does. ``interleaved`` pairs features
+    ``(2j, 2j+1)``; the result is in the rotate-half layout then (see the module docstring).
     """
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [S, 1, D], broadcast over batch and heads
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary], cos, sin, interleaved)
+        return torch.cat([rotated, x[..., rotary:]], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [S, 1, R], broadcast over batch and heads
     x32 = x.float()
     if interleaved:
         x32 = torch.cat([x32[..., 0::2], x32[..., 1::2]], dim=-1)

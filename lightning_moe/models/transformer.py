@@ -142,6 +142,7 @@ def _build_attention(config: MoETransformerConfig) -> nn.Module:
         qk_norm=config.qk_norm,
         norm_eps=config.norm_eps,
         rope_interleaved=config.rope_interleaved,
+        attention_bias=config.attention_bias,
     )
 
 
@@ -271,6 +272,8 @@ class MoETransformer(nn.Module):
                 values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
                 write_full(weight, values)
                 del values  # one drawn tensor alive at a time
+                if getattr(module, "bias", None) is not None:  # q/k/v biases start at zero, as Megatron's
+                    write_full(module.bias, torch.zeros(module.bias.shape, dtype=torch.float32))
         reset_adapters(self)  # LoRA adapters of the linear layers drawn above (the MoE layers did theirs)
 
     def forward(
@@ -350,7 +353,7 @@ class MoETransformer(nn.Module):
     ) -> MoETransformer:
         """Build the model of a Hugging Face model directory and load its weights (Hugging Face's name).
 
-        Reads ``config.json`` (Qwen3-MoE, Mixtral, OLMoE or DeepSeek-V3; anything this model cannot
+        Reads ``config.json`` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 / Kimi K2 or GLM-4.5; anything this model cannot
         reproduce exactly is refused with an error naming the field) and the safetensors files
         (one file or shards with ``model.safetensors.index.json``). Weights keep the dtypes of the
         files unless ``dtype`` is given; ``overrides`` replace fields of the mapped

@@ -12,7 +12,7 @@ from helpers.hf import random_hf_model
 
 __all__ = ["SWAP_FAMILIES", "tiny_moe_config", "tiny_moe_model"]
 
-SWAP_FAMILIES = ("deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+SWAP_FAMILIES = ("deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 VOCAB = 96
 
 
@@ -42,6 +42,11 @@ def tiny_moe_config(family: str, **changes):
             moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
             first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.5, kv_lora_rank=16,
             q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12),
+        # DeepSeek-V3's router (2 of 4 groups, scaling), one shared expert, one dense layer first.
+        "glm4_moe": lambda: transformers.Glm4MoeConfig(
+            **{**common, "num_hidden_layers": 3}, intermediate_size=48, moe_intermediate_size=16,
+            n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+            n_shared_experts=1, routed_scaling_factor=1.5, use_qk_norm=True, num_mtp_layers=0),
     }
     config = configs[family]()
     for key, value in changes.items():

@@ -17,6 +17,7 @@ dropless routing makes no token's output depend on another's routing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -73,6 +74,39 @@ def _family_configs() -> dict[str, object]:
             num_mtp_layers=0,
             rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                              "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.8},
+        ),
+        # q/k/v biases (qkv_bias defaults to true), a shared expert with its sigmoid gate, GQA, a dense
+        # layer (mlp_only_layers), top-k not renormalised (norm_topk_prob defaults to false).
+        "qwen2_moe": transformers.Qwen2MoeConfig(
+            **common, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+            num_experts_per_tok=2, mlp_only_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        ),
+        # Sparse step 2, renormalised top-k, explicit head_dim, tied head, YaRN.
+        "qwen2_moe-step2-tied-yarn": transformers.Qwen2MoeConfig(
+            **common, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=12, num_experts=6,
+            num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                             "original_max_position_embeddings": 16},
+        ),
+        # Partial rotary (half of each head), q/k norm per head, q/k/v biases; DeepSeek-V3's router
+        # with groups and scaling; two shared experts; one dense first layer.
+        "glm4_moe": transformers.Glm4MoeConfig(
+            **common, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=4,
+            n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=2, routed_scaling_factor=2.5,
+            use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5, num_mtp_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        ),
+        # No q/k norm nor biases, a quarter of each head rotated with YaRN, no groups, no scaling.
+        "glm4_moe-plain-yarn": transformers.Glm4MoeConfig(
+            **common, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=6, num_experts_per_tok=2,
+            first_k_dense_replace=0, n_shared_experts=1, use_qk_norm=False, attention_bias=False,
+            num_mtp_layers=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "partial_rotary_factor": 0.25,
+                             "original_max_position_embeddings": 16},
         ),
     }
 
@@ -236,10 +270,17 @@ def test_from_pretrained_maps_the_config(hf_family):
     assert (config.vocab_size, config.hidden_size, config.num_layers) == (
         hf_config.vocab_size, hf_config.hidden_size, hf_config.num_hidden_layers,
     )
-    expected_mode = {"qwen3_moe": "head", "mixtral": None, "olmoe": "full", "deepseek_v3": None}
+    expected_mode = {"qwen3_moe": "head", "mixtral": None, "olmoe": "full", "deepseek_v3": None, "qwen2_moe": None,
+                     "glm4_moe": "head" if getattr(hf_config, "use_qk_norm", False) else None}
     assert config.qk_norm_mode == expected_mode[name.split("-")[0]]
     assert config.attention == ("mla" if name == "deepseek_v3" else "mha")
     assert config.tie_embeddings == hf_config.tie_word_embeddings
+    # q/k/v biases: Qwen2-MoE's qkv_bias, GLM's attention_bias; partial rotary: GLM's rope parameters.
+    assert config.attention_bias == bool(getattr(hf_config, "qkv_bias", getattr(hf_config, "attention_bias", False)))
+    assert config.partial_rotary_factor == hf_config.rope_parameters.get("partial_rotary_factor", 1.0)
+    if config.attention == "mha":
+        rotary = int(config.attention_head_dim * config.partial_rotary_factor)
+        assert config.rotary_dim == rotary and (name.split("-")[0] != "glm4_moe" or rotary < config.attention_head_dim)
 
 
 # ------------------------------------------------------------------------------------ refusals
@@ -270,7 +311,9 @@ _DROP = object()
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"model_type": "llama"}, r"model_type 'llama' is not supported.*deepseek_v3, mixtral, olmoe, qwen3_moe"),
+        ({"model_type": "llama"},
+         r"model_type 'llama' is not supported.*deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe"),
+        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported for Mixtral"),
         ({"sliding_window": 16}, r"sliding_window=16 .* not supported"),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}},
          r"rope_type 'linear' is not supported.*default, yarn"),
@@ -317,18 +360,62 @@ def test_deepseek_group_scoring_other_than_top2_is_refused(tmp_path):
         MoETransformer.from_pretrained(tmp_path)
 
 
-def test_deepseek_mtp_layers_are_skipped_with_a_warning(tmp_path):
-    hf_model = _build_hf(_family_configs()["deepseek_v3"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layers_are_skipped_with_a_warning(name, tmp_path):
+    hf_model = _build_hf(_family_configs()[name])
     hf_model.save_pretrained(tmp_path)
     file = tmp_path / "model.safetensors"
     tensors = safetensors_torch.load_file(file)
     tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)  # published MTP module layout
+    tensors["model.layers.3.mlp.experts.0.up_proj.weight"] = torch.zeros(16, 32)
     safetensors_torch.save_file(tensors, file, metadata={"format": "pt"})
     _edit_config(tmp_path, num_nextn_predict_layers=1)
-    with pytest.warns(UserWarning, match=r"Skipped 1 tensor.*multi-token-prediction"):
+    with pytest.warns(UserWarning, match=r"Skipped 2 tensor.*multi-token-prediction"):
         ours = MoETransformer.from_pretrained(tmp_path)
     tokens, _ = _batch()
     assert_close_to_scale(_ours_logits(ours, tokens), _hf_logits(hf_model, tokens), LOGITS_TOL, "mtp skipped")
+
+
+def test_glm_partial_rotary_defaults_to_half_when_absent(tmp_path):
+    # transformers' Glm4MoeConfig sets partial_rotary_factor 0.5 when config.json has none.
+    config = _family_configs()["glm4_moe"]
+    config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["rope_parameters"].pop("partial_rotary_factor")
+    raw.pop("partial_rotary_factor", None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    from lightning_moe.models.hf import config_from_hf
+
+    expected = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters["partial_rotary_factor"]
+    assert config_from_hf(raw)[0].partial_rotary_factor == expected == 0.5
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "message"),
+    [
+        ("glm4_moe", {"norm_topk_prob": False}, r"GLM-4.5 with norm_topk_prob=False .* not supported"),
+        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8}, r"sliding_window=8 .* not supported"),
+    ],
+)
+def test_new_families_refuse_what_they_cannot_compute(name, changes, message, tmp_path):
+    _family_configs()[name].save_pretrained(tmp_path)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        MoETransformer.from_pretrained(tmp_path)
+
+
+def test_infer_family_picks_the_first_family_holding_the_config():
+    from lightning_moe.models.hf import infer_family
+
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, max_seq_len=64)
+    plain = MoEConfig(32, 16, 4, top_k=2)
+    gated = MoEConfig(32, 16, 4, top_k=2, shared_expert_ffn_hidden_size=16, shared_expert_gate=True)
+    sigmoid = MoEConfig(32, 16, 4, top_k=2, score_func="sigmoid", expert_bias=True, shared_expert_ffn_hidden_size=16)
+    assert infer_family(MoETransformerConfig(**base, moe=plain)) == "mixtral"
+    assert infer_family(MoETransformerConfig(**base, moe=gated, attention_bias=True)) == "qwen2_moe"
+    assert infer_family(MoETransformerConfig(**base, moe=sigmoid, partial_rotary_factor=0.5)) == "glm4_moe"
+    assert infer_family(MoETransformerConfig(**base, moe=sigmoid, qk_norm=True)) == "glm4_moe"
+    assert infer_family(MoETransformerConfig(**base, moe=plain, qk_norm=True)) == "qwen3_moe"
 
 
 def test_save_pretrained_refuses_what_the_family_cannot_hold(tmp_path):
@@ -340,6 +427,14 @@ def test_save_pretrained_refuses_what_the_family_cannot_hold(tmp_path):
         MoETransformer(config).save_pretrained(tmp_path, family="mixtral")
     with pytest.raises(ValueError, match=r"Unknown family 'llama'"):
         MoETransformer(config).save_pretrained(tmp_path, family="llama")
+    plain = dataclasses.replace(config, moe=MoEConfig(32, 16, 4, top_k=2), attention_bias=True, partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match=r"attention_bias=True: mixtral has no q/k/v biases; partial_rotary_factor=0.5: "
+                                         r"mixtral rotates the whole head"):
+        MoETransformer(plain).save_pretrained(tmp_path, family="mixtral")
+    with pytest.raises(ValueError, match=r"every qwen2_moe MoE layer has a shared expert with a sigmoid gate"):
+        MoETransformer(config).save_pretrained(tmp_path, family="qwen2_moe")
+    with pytest.raises(ValueError, match=r"score_func='softmax' with top_k=2: glm4_moe renormalises sigmoid scores"):
+        MoETransformer(config).save_pretrained(tmp_path, family="glm4_moe")
 
 
 def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ meta device (no rank ever holds the whole model). Resuming from a checkpoint (``
 the checkpoint's weights and reads nothing from the directory (its weights are removed first).
 After the step, each layout's sharded checkpoint exported with ``export_hf`` (``lightning-moe export
 --format hf``) loads in ``transformers`` as the same family and gives the trained model's logits.
+Tiny Qwen2-MoE and GLM-4.5 directories give ``transformers``' first-step loss on one device too.
 """
 
 from __future__ import annotations
@@ -157,6 +158,18 @@ def test_one_device_first_step_and_resume_keeps_the_checkpoint(hf_dir, tmp_path)
     with torch.no_grad():
         expected = reference.eval().loss(resumed.first["inputs"], resumed.first["targets"])
     torch.testing.assert_close(resumed.first["loss"], expected, rtol=LOSS_RTOL, atol=0.0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+def test_one_device_first_step_of_the_other_families(family, tmp_path):
+    # Qwen2-MoE (q/k/v biases, gated shared expert) and GLM-4.5 (partial rotary, q/k norm, biases);
+    # their sharded loading is tests/parallel/test_hf_load.py's.
+    hf_model = tiny_models().make_tiny_model(tmp_path / family, family, texts=["def f(x):\n    return x\n"] * 4)
+    module = Recording(init_from=str(tmp_path / family), learning_rate=1e-2, warmup_steps=0)
+    trainer = L.Trainer(**quiet_trainer_kwargs(devices=1, max_steps=1), limit_val_batches=0)
+    trainer.fit(module, DataLoader(dataset(), batch_size=LOCAL_BATCH))
+    first = module.first
+    torch.testing.assert_close(first["loss"], hf_loss(hf_model, first["inputs"], first["targets"]), rtol=LOSS_RTOL, atol=0.0)
 
 
 def test_model_and_init_from_are_exclusive(hf_dir):

@@ -23,7 +23,7 @@ from lightning_moe.models import DenseMLP, MoETransformer, MoETransformerConfig,
 from lightning_moe.models.hf import config_from_hf
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs" / "models"
-PRESETS = ("qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3_style")
+PRESETS = ("qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3_style", "kimi_k2", "glm_4_5_air")
 
 # (total, active) from the model cards / papers named in each YAML's header. DeepSeek-V3's are
 # those of the main model: its published checkpoint adds a 14B multi-token-prediction module.
@@ -32,9 +32,15 @@ PUBLISHED = {
     "mixtral_8x7b": (46.7e9, 12.9e9),
     "olmoe_1b_7b": (6.9e9, 1.3e9),
     "deepseek_v3_style": (671e9, 37e9),
+    # Kimi K2 technical report (arXiv:2507.20534), Table 2: 1.04T total, 32.6B activated.
+    "kimi_k2": (1.04e12, 32.6e9),
 }
 # Totals are published to three significant digits: our count must be within 1% of them.
 REL_TOL = 0.01
+# Kimi K2's published 1.04T is 1.3% above the exact count of its config.json's tensor shapes
+# (1,026,408,209,408, re-derived by hand below; its checkpoint has no multi-token-prediction
+# layer and the fp8 scales add 0.006%): checked to 2%, and pinned exactly.
+TOTAL_REL_TOL = {"kimi_k2": 0.02}
 # Some actives are published to two significant digits, coarser than 1%: exact counts
 # 3,353,032,704 ("3.3B", truncated), 1,282,017,280 ("1.3B", rounded) and 37,552,282,624 ("37B",
 # truncated) are 1.6%, 1.4% and 1.5% away. They are checked to within one unit of the published
@@ -47,6 +53,18 @@ EXACT = {
     "mixtral_8x7b": (46_702_792_704, 12_879_925_248),
     "olmoe_1b_7b": (6_919_161_856, 1_282_017_280),
     "deepseek_v3_style": (671_026_404_352, 37_552_282_624),
+    # Kimi K2 by hand: embedding + head 2 x 163840 x 7168 = 2,348,810,240; final norm 7,168; per
+    # layer MLA 101,124,096 (q_a 1536x7168, q_a_norm 1536, q_b 64x192x1536, kv_a 576x7168,
+    # kv_a_norm 512, kv_b 64x256x512, o 7168x8192) + two norms 14,336, x 61; dense layer 0
+    # 3 x 7168 x 18432 = 396,361,728; 60 MoE layers of router 384 x 7168 + 385 experts (384 routed,
+    # 1 shared) of 3 x 2048 x 7168 = 16,958,226,432 each (active: router + 9 experts = 399,114,240).
+    "kimi_k2": (1_026_408_209_408, 32_861_477_888),
+    # GLM-4.5-Air by hand: embedding + head 2 x 151552 x 4096 = 1,241,513,984; final norm 4,096; per
+    # layer attention 109,066,240 (q 12288 x 4096, k and v 1024 x 4096, o 4096 x 12288, biases
+    # 12288 + 2 x 1024) + two norms 8,192, x 46; dense layer 0 3 x 4096 x 10944 = 134,479,872; 45
+    # MoE layers of router 128 x 4096 + 129 experts (128 routed, 1 shared) of 3 x 1408 x 4096 =
+    # 2,232,418,304 each (active: router + 9 experts = 156,237,824).
+    "glm_4_5_air": (106_852_245_504, 13_424_123_904),
 }
 
 # The published config.json of each preset's model (keys transformers reads; token ids and
@@ -93,6 +111,35 @@ PUBLISHED_CONFIG_JSON = {
         "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "v_head_dim": 128,
         "vocab_size": 129280,
     },
+    # moonshotai/Kimi-K2-Instruct's config.json; its quantization_config (fp8 blocks of 128 x 128)
+    # is left out: the mapping refuses quantised checkpoints, which are dequantized first.
+    "kimi_k2": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "attention_bias": False,
+        "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "first_k_dense_replace": 1,
+        "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+        "kv_lora_rank": 512, "max_position_embeddings": 131072, "moe_intermediate_size": 2048,
+        "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 64,
+        "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "v_head_dim": 128,
+        "vocab_size": 163840,
+    },
+    # zai-org/GLM-4.5-Air's config.json (its MTP layer, num_nextn_predict_layers 1, is skipped on load).
+    "glm_4_5_air": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+        "attention_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 10944,
+        "max_position_embeddings": 131072, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+        "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+        "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": False,
+        "vocab_size": 151552,
+    },
 }
 # Training settings a preset takes from its paper: (top-level fields, moe fields), and why.
 FROM_THE_PAPER = {
@@ -133,7 +180,8 @@ def test_preset_matches_published_counts(name):
     config = load_preset(name)
     total, active = config.num_parameters(), config.num_parameters(active=True)
     published_total, published_active = PUBLISHED[name]
-    assert abs(total - published_total) <= REL_TOL * published_total, f"{total:,} vs {published_total:,.0f}"
+    total_tol = TOTAL_REL_TOL.get(name, REL_TOL)
+    assert abs(total - published_total) <= total_tol * published_total, f"{total:,} vs {published_total:,.0f}"
     assert abs(active - published_active) <= max(REL_TOL * published_active, ACTIVE_DIGIT_TOL.get(name, 0)), (
         f"{active:,} vs {published_active:,.0f}"
     )
@@ -150,7 +198,9 @@ def test_qwen3_non_embedding_count_matches_model_card():
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_equals_what_from_pretrained_reads_from_the_published_config_json(name):
     mapped, family = config_from_hf(PUBLISHED_CONFIG_JSON[name])
-    assert family == PUBLISHED_CONFIG_JSON[name]["model_type"]
+    # Kimi K2's model_type names its copy of DeepSeek-V3's code: it reads as deepseek_v3.
+    assert family == {"kimi_k2": "deepseek_v3"}.get(PUBLISHED_CONFIG_JSON[name]["model_type"],
+                                                    PUBLISHED_CONFIG_JSON[name]["model_type"])
     top, moe = FROM_THE_PAPER.get(name, ({}, {}))
     expected = dataclasses.replace(mapped, **top, moe=dataclasses.replace(mapped.moe, **moe))
     preset = load_preset(name)
@@ -182,6 +232,42 @@ def test_deepseek_v3_style_layout():
     assert moe.shared_expert.fc1.weight.shape == (2 * 2048, 7168)
     assert moe.router.expert_bias.shape == (256,)
     assert (config.moe.num_groups, config.moe.group_top_k, config.moe.topk_scaling_factor) == (8, 4, 2.5)
+
+
+def test_glm_4_5_air_counts_match_the_model_card_without_embeddings():
+    # The card's 106B total and 12B active exclude the embedding and the output head.
+    config = load_preset("glm_4_5_air")
+    embeddings = 2 * config.vocab_size * config.hidden_size
+    total, active = config.num_parameters() - embeddings, config.num_parameters(active=True) - embeddings
+    assert abs(total - 106e9) <= REL_TOL * 106e9, f"{total:,}"
+    assert abs(active - 12e9) <= 0.5e9, f"{active:,}"  # "12B": two significant digits
+    assert (config.num_parameters(), config.num_parameters(active=True)) == EXACT["glm_4_5_air"]
+
+
+def test_glm_4_5_air_attention_shapes():
+    config = load_preset("glm_4_5_air")
+    assert config.rotary_dim == 64 and config.moe_layers == list(range(1, 46))
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    attn = model.layers[0].attn
+    assert attn.q_proj.weight.shape == (96 * 128, 4096) and attn.q_proj.bias.shape == (96 * 128,)
+    assert attn.k_proj.bias.shape == attn.v_proj.bias.shape == (8 * 128,)
+    assert attn.o_proj.bias is None and attn.q_norm is None
+    assert model.layers[1].ffn.shared_expert.fc1.weight.shape == (2 * 1408, 4096)
+
+
+def test_kimi_k2_layout():
+    config = load_preset("kimi_k2")
+    assert config.moe_layers == list(range(1, 61))
+    assert (config.num_attention_heads, config.rope_theta, config.vocab_size) == (64, 50000.0, 163840)
+    assert (config.rope_scaling.factor, config.rope_scaling.original_max_seq_len) == (32.0, 4096)
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.num_groups, moe.topk_scaling_factor) == (384, 8, None, 2.827)
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    assert model.layers[1].ffn.experts.fc1_weight.shape == (384, 2 * 2048, 7168)
+    assert model.layers[0].attn.q_up_proj.weight.shape == (64 * 192, 1536)
+    assert isinstance(model.layers[0].ffn, DenseMLP)
 
 
 def test_qwen3_attention_shapes():

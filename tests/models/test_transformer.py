@@ -291,8 +291,11 @@ def test_dense_model_without_moe():
                 score_func="sigmoid", expert_bias=True,
             ),
         },
+        {"attention_bias": True, "partial_rotary_factor": 0.5},
+        {"attention_bias": True, "num_kv_heads": None, "qk_norm": "full"},
     ],
-    ids=["default", "mha-head-dim", "tied-first-dense", "gelu-bias-shared"],
+    ids=["default", "mha-head-dim", "tied-first-dense", "gelu-bias-shared", "qkv-bias-partial-rotary",
+         "qkv-bias-full-norm"],
 )
 def test_num_parameters_matches_the_module(overrides):
     config = tiny_config(**overrides)
@@ -324,6 +327,12 @@ def test_active_parameters_count_top_k_experts():
             r"hidden_size=64 is not divisible by num_attention_heads=6; set head_dim",
         ),
         ({"head_dim": 15}, r"head_dim=15 must be even"),
+        ({"partial_rotary_factor": 0.0}, r"partial_rotary_factor=0.0 must be in \(0, 1\]"),
+        ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor=1.5 must be in \(0, 1\]"),
+        ({"partial_rotary_factor": 0.3125}, r"rotates int\(16 \* 0.3125\) = 5 features, which must be even"),
+        ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
+          "num_kv_heads": None, "qk_norm": False, "attention_bias": True},
+         r"attention_bias=True and partial_rotary_factor=1.0 apply to attention='mha' only"),
         ({"moe_layer_freq": 0}, r"moe_layer_freq=0 must be >= 1"),
         ({"moe_layer_freq": [1, 0, 1]}, r"needs num_layers=2 entries of 0 or 1 .* got 3 entries"),
         ({"moe_layer_freq": [1, 2]}, r"needs num_layers=2 entries of 0 or 1"),
@@ -340,6 +349,23 @@ def test_active_parameters_count_top_k_experts():
 def test_bad_configs_raise(overrides, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**overrides)
+
+
+def test_attention_biases_start_at_zero_and_partial_rotary_leaves_the_rest_of_each_head():
+    config = tiny_config(attention_bias=True, partial_rotary_factor=0.5)
+    model = MoETransformer(config)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(getattr(model.layers[0].attn, name).bias, torch.zeros_like(getattr(model.layers[0].attn, name).bias))
+    assert model.layers[0].attn.o_proj.bias is None
+    # Oracle: position 0 rotates by angle 0, so with a rotation of the first half only, a head's
+    # second half must come out of apply_rotary unchanged at every position.
+    from lightning_moe.models import apply_rotary, rotary_cos_sin
+
+    x = torch.randn(1, 5, 2, 16)
+    cos, sin = rotary_cos_sin(5, config.rotary_dim, config.rope_theta)
+    rotated = apply_rotary(x, cos, sin)
+    assert config.rotary_dim == 8 and torch.equal(rotated[..., 8:], x[..., 8:])
+    assert torch.allclose(rotated[:, 0], x[:, 0]) and not torch.allclose(rotated[:, 1:, :, :8], x[:, 1:, :, :8])
 
 
 def test_is_moe_layer_rejects_out_of_range():

@@ -7,7 +7,8 @@ loaded, must hold bit for bit the one-device model's tensors in its global state
 forward must give ``transformers``' logits (fp32, 1e-5 of their scale). Layouts: EP=2 (EDP=2),
 TP=2 x EP=4 folded (ETP=1), TP=2 x EP=2 x ETP=2 (gated fc1 blocks), each replicated and with
 ``FULL_SHARD`` (FSDP2 DTensors: dense 2-D over DP x TP, experts over EDP on H). Qwen3-MoE (GQA,
-a dense layer) and DeepSeek-V3 (MLA, shared expert, score bias). Each rank also reads at most its
+a dense layer), DeepSeek-V3 (MLA, shared expert, score bias), Qwen2-MoE (q/k/v biases, gated shared
+expert) and GLM-4.5 (partial rotary, q/k norm, q/k/v biases, score bias). Each rank also reads at most its
 share of the bytes (plus the replicated tensors): no rank reads the whole model.
 """
 
@@ -31,7 +32,7 @@ LOGITS_TOL = 1e-5
 LAYOUTS = {"ep2": (1, 2, 1), "tp2-ep4-etp1": (2, 4, 1), "tp2-ep2-etp2": (2, 2, 2)}
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "qwen2_moe", "glm4_moe"])
 def hf_dir(request, tmp_path_factory):
     """(directory, transformers model, probe tokens, their transformers logits)."""
     path = tmp_path_factory.mktemp(request.param)

@@ -1,9 +1,11 @@
 """:class:`MoETransformerConfig` -> Hugging Face ``config.json`` of one family (reverse of :mod:`.config_map`).
 
-:func:`infer_family` picks the family a config can only be (MLA: DeepSeek-V3; q/k norm over the
-whole projection: OLMoE; per head: Qwen3-MoE; none: Mixtral); :func:`config_to_hf` checks that
-the family's ``transformers`` implementation computes exactly this model and refuses, naming
-the setting, whatever it cannot hold (a shared expert in Mixtral, sigmoid scores in Qwen3...).
+:func:`infer_family` picks the first registered family that holds a config (MLA: DeepSeek-V3; q/k
+norm over the whole projection: OLMoE; per head: Qwen3-MoE; none: Mixtral; a gated shared expert
+and q/k/v biases: Qwen2-MoE; sigmoid routing or partial rotary with multi-head attention: GLM-4.5);
+:func:`config_to_hf` checks that the family's ``transformers`` implementation computes exactly
+this model and refuses, naming the setting, whatever it cannot hold (a shared expert in Mixtral,
+sigmoid scores in Qwen3, q/k/v biases in OLMoE...).
 Both the ``transformers`` 5 keys (``rope_parameters``) and the older ones (``rope_theta``,
 ``rope_scaling``) are written, so earlier ``transformers`` versions read the rotary settings too.
 """
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_moe.models.config import MoETransformerConfig
-from lightning_moe.models.hf.registry import Family, model_families
+from lightning_moe.models.hf.registry import FAMILIES, Family, model_families
 from lightning_moe.models.hf.registry import family as _family
 
 __all__ = ["PASSTHROUGH_KEYS", "config_to_hf", "infer_family"]
@@ -25,12 +27,20 @@ PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def infer_family(config: MoETransformerConfig) -> str:
-    """The only family whose attention matches ``config`` (the rest is checked by :func:`config_to_hf`):
-    the whole-model family of the same attention and, for multi-head attention, the same q/k norm."""
-    for name in model_families():
-        spec = _family(name)
-        if spec.attention == config.attention and (spec.attention == "mla" or spec.qk_norm == config.qk_norm_mode):
-            return name
+    """The family ``config`` is written as when none is named: the first registered whole-model family
+    whose attention matches ``config`` (same type and, for multi-head attention, a q/k norm it can
+    apply) and which holds all of ``config`` (:func:`config_to_hf` finds no problem); when none holds
+    it all, the first whose attention matches (:func:`config_to_hf` then says what it cannot hold)."""
+    matching = [
+        spec for spec in FAMILIES.values()
+        if spec.whole_model and spec.attention == config.attention
+        and (spec.attention == "mla" or spec.computes_qk_norm(config.qk_norm_mode))
+    ]
+    for spec in matching:
+        if not _problems(config, spec):
+            return spec.name
+    if matching:
+        return matching[0].name
     raise ValueError(
         f"No Hugging Face family computes attention={config.attention!r} with qk_norm={config.qk_norm!r}; "
         f"supported families: {', '.join(model_families())}."
@@ -54,12 +64,16 @@ def _check_common(config: MoETransformerConfig, spec: Family) -> list[str]:
         problems.append(f"experts use activation={moe.activation!r}, {name} uses SwiGLU (silu)")
     if moe.fc2_bias:
         problems.append(f"fc2_bias=True: {name} experts have no bias")
-    if moe.shared_expert_gate:
+    if moe.shared_expert_gate and not spec.shared_expert_gate:
         problems.append(f"shared_expert_gate=True: {name} has no shared-expert gate")
     if config.attention != spec.attention:
         problems.append(f"attention={config.attention!r}, {name} uses {spec.attention!r}")
-    if config.attention == "mha" and config.qk_norm_mode != spec.qk_norm:
+    if config.attention == "mha" and not spec.computes_qk_norm(config.qk_norm_mode):
         problems.append(f"qk_norm={config.qk_norm!r}, {name} uses {spec.qk_norm or 'none'}")
+    if config.attention_bias and spec.attention_bias_key is None:
+        problems.append(f"attention_bias=True: {name} has no q/k/v biases")
+    if config.partial_rotary_factor != 1.0 and not spec.partial_rotary:
+        problems.append(f"partial_rotary_factor={config.partial_rotary_factor}: {name} rotates the whole head")
     if not spec.interleaved_rope and config.rope_interleaved:
         problems.append(f"rope_interleaved=True: {name} rotates halves")
     return problems
@@ -67,9 +81,11 @@ def _check_common(config: MoETransformerConfig, spec: Family) -> list[str]:
 
 def _rope(config: MoETransformerConfig) -> dict[str, Any]:
     scaling = config.rope_scaling
+    # Only a family with partial rotary gets here with a factor below 1 (_check_common).
+    partial = {} if config.partial_rotary_factor == 1.0 else {"partial_rotary_factor": config.partial_rotary_factor}
     if scaling is None:
         return {"rope_theta": config.rope_theta, "rope_scaling": None,
-                "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
+                "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta, **partial}}
     params = {"rope_type": "yarn", "factor": scaling.factor,
               "original_max_position_embeddings": scaling.original_max_seq_len,
               "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow, "truncate": scaling.truncate}
@@ -77,7 +93,12 @@ def _rope(config: MoETransformerConfig) -> dict[str, Any]:
         if getattr(scaling, name) is not None:
             params[name] = getattr(scaling, name)
     return {"rope_theta": config.rope_theta, "rope_scaling": {**params, "type": "yarn"},
-            "rope_parameters": {**params, "rope_theta": config.rope_theta}}
+            "rope_parameters": {**params, "rope_theta": config.rope_theta, **partial}}
+
+
+def _problems(config: MoETransformerConfig, spec: Family) -> list[str]:
+    """What of ``config`` the family ``spec`` cannot hold (empty: it can)."""
+    return _check_common(config, spec) or spec.export_problems(config)
 
 
 def config_to_hf(
@@ -90,8 +111,7 @@ def config_to_hf(
     if family not in model_families():
         raise ValueError(f"Unknown family {family!r}; choose one of {', '.join(model_families())}.")
     spec = _family(family)
-    problems = _check_common(config, spec) or spec.export_problems(config)
-    _refuse(family, problems)
+    _refuse(family, _problems(config, spec))
     hf = {
         "architectures": [spec.architecture], "model_type": family, "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
@@ -100,4 +120,6 @@ def config_to_hf(
         "tie_word_embeddings": config.tie_embeddings, "attention_dropout": 0.0, "use_cache": True,
         "dtype": str(dtype).removeprefix("torch."), **_rope(config), **spec.export_fields(config),
     }
+    if spec.attention_bias_key is not None:
+        hf[spec.attention_bias_key] = config.attention_bias
     return {**hf, **(extra or {})}

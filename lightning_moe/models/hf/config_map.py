@@ -2,16 +2,16 @@
 
 Each family is mapped exactly as ``transformers`` 5.x builds it (its modeling files are the
 reference; ``tests/models/test_hf_families.py`` compares the logits): anything this model
-cannot reproduce (a binding sliding window, attention biases, q/k/v clipping, rope types other
-than default and YaRN, quantised weights, another activation...) is refused with an error that
-names the field, never silently approximated. Keys a published ``config.json`` may omit take the
+cannot reproduce (a binding sliding window, attention biases or partial rotary where the family's
+code has none, q/k/v clipping, rope types other than default and YaRN, quantised weights, another
+activation...) is refused with an error that names the field, never silently approximated. Keys a published ``config.json`` may omit take the
 defaults of ``transformers``' config classes. The reverse direction is :mod:`.config_export`.
 
 This module holds what every family shares (the common keys, rope, the common refusals); each
 family's routing, defaults and quirks are its own file in :mod:`lightning_moe.models.hf.families`
 (:class:`~lightning_moe.models.hf.registry.Family`). Training-only settings map where
-``config.json`` carries them: ``router_aux_loss_coef`` to the ``aux_loss`` coefficient (Qwen3,
-Mixtral, OLMoE); DeepSeek's ``seq_aux`` / ``aux_loss_alpha`` to ``seq_aux_loss``;
+``config.json`` carries them: ``router_aux_loss_coef`` to the ``aux_loss`` coefficient (Qwen2,
+Qwen3, Mixtral, OLMoE); DeepSeek's ``seq_aux`` / ``aux_loss_alpha`` to ``seq_aux_loss``;
 ``initializer_range`` to both ``init_std``.
 """
 
@@ -29,7 +29,10 @@ from lightning_moe.models.hf.registry import family as _family
 from lightning_moe.models.hf.registry import model_families, moe_families
 from lightning_moe.models.rope import RopeScaling
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "MOE_FAMILIES", "config_from_hf", "family_of", "moe_config_from_hf", "rope_from_hf"]
+__all__ = [
+    "ARCHITECTURES", "FAMILIES", "MOE_FAMILIES", "config_from_hf", "family_of", "moe_config_from_hf",
+    "partial_rotary_from_hf", "rope_from_hf",
+]
 
 FAMILIES = model_families()
 """The built-in families whose whole models load and save (sorted); the mappings below read the
@@ -44,8 +47,11 @@ _REFUSED_IF_SET = ("quantization_config",)
 
 
 def family_of(raw: Mapping[str, Any]) -> str:
-    """The family of a ``config.json`` (its ``model_type``), or an error listing the supported ones."""
+    """The family of a ``config.json`` (its ``model_type``, or a family's alias of it such as Kimi K2's
+    ``kimi_k2``), or an error listing the supported ones."""
     family, supported = raw.get("model_type"), model_families()
+    aliases = {alias: name for name in supported for alias in _REGISTERED[name].model_type_aliases}
+    family = aliases.get(family, family)
     if family not in supported:
         titles = [_REGISTERED[name].title for name in supported]
         raise ValueError(
@@ -61,11 +67,6 @@ def rope_from_hf(fields: Fields) -> tuple[float, RopeScaling | None]:
     params = fields["rope_parameters"] or fields["rope_scaling"] or {}
     theta = params.get("rope_theta", fields["rope_theta"])
     kind = params.get("rope_type") or params.get("type") or "default"
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"partial_rotary_factor={params['partial_rotary_factor']} is not supported: rotary embeddings "
-            "cover the whole head here."
-        )
     if kind == "default":
         return float(theta), None
     if kind != "yarn":
@@ -80,6 +81,24 @@ def rope_from_hf(fields: Fields) -> tuple[float, RopeScaling | None]:
         mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
         attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
     )
+
+
+def partial_rotary_from_hf(fields: Fields) -> float:
+    """The fraction of each head the rotary embedding covers, found where ``transformers`` looks:
+    ``rope_parameters``, then the top-level ``partial_rotary_factor``, then the family's default
+    (GLM-4.5: 0.5, else 1.0); a factor below 1 is refused for a family whose ``transformers``
+    code rotates the whole head."""
+    params = fields["rope_parameters"] or fields["rope_scaling"] or {}
+    factor = params.get("partial_rotary_factor")
+    if factor is None:
+        factor = fields["partial_rotary_factor"]
+    factor = float(factor)
+    if factor != 1.0 and not fields.spec.partial_rotary:
+        raise ValueError(
+            f"partial_rotary_factor={factor} is not supported for {fields.spec.title}: its attention rotates "
+            "the whole head. Remove it from config.json, or use a family with partial rotary (glm4_moe)."
+        )
+    return factor
 
 
 def _refuse_unsupported_moe(fields: Fields) -> None:
@@ -100,8 +119,11 @@ def _refuse_unsupported_moe(fields: Fields) -> None:
 
 def _refuse_unsupported(fields: Fields) -> None:
     _refuse_unsupported_moe(fields)
-    if fields["attention_bias"]:
-        raise ValueError("attention_bias=True is not supported: the attention projections have no biases.")
+    if fields.spec.attention_bias_key is None and fields["attention_bias"]:
+        raise ValueError(
+            f"attention_bias=True is not supported for {fields.spec.title}: its attention projections have no "
+            "biases in transformers' code."
+        )
     if fields["attention_dropout"]:
         raise ValueError(f"attention_dropout={fields['attention_dropout']} is not supported (no dropout here).")
     fields.spec.refuse_model(fields)
@@ -135,6 +157,7 @@ def config_from_hf(raw: Mapping[str, Any]) -> tuple[MoETransformerConfig, str]:
         num_kv_heads=None if kv_heads in (None, heads) else int(kv_heads),
         max_seq_len=int(fields["max_position_embeddings"]), rope_theta=theta, rope_scaling=scaling,
         norm_eps=float(fields["rms_norm_eps"]), tie_embeddings=bool(fields["tie_word_embeddings"]),
-        init_std=float(fields["initializer_range"]),
+        init_std=float(fields["initializer_range"]), partial_rotary_factor=partial_rotary_from_hf(fields),
+        attention_bias=bool(fields[fields.spec.attention_bias_key]) if fields.spec.attention_bias_key else False,
     )
     return fields.spec.model_config(fields, common), family

@@ -11,7 +11,7 @@ __all__ = ["COMMON_DEFAULTS", "Fields", "aux_loss"]
 
 COMMON_DEFAULTS: Mapping[str, Any] = {
     "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": False, "attention_bias": False,
-    "attention_dropout": 0.0, "rope_scaling": None, "rope_parameters": None,
+    "attention_dropout": 0.0, "rope_scaling": None, "rope_parameters": None, "partial_rotary_factor": 1.0,
 }
 """transformers 5.24's defaults of the optional keys every family reads (a published config.json may omit them)."""
 

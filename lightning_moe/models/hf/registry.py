@@ -60,6 +60,15 @@ class Family:
             or ``"full"``); with ``attention`` it is how :func:`~lightning_moe.models.hf.infer_family`
             recognises a config.
         interleaved_rope: whether rotary embeddings may rotate interleaved pairs (else halves).
+        optional_qk_norm: whether the family's ``config.json`` can also turn its ``qk_norm`` off
+            (GLM-4.5's ``use_qk_norm``).
+        attention_bias_key: the ``config.json`` key switching q/k/v biases on (``"attention_bias"``
+            for GLM-4.5, ``"qkv_bias"`` for Qwen2-MoE); None: the family has none, and a set
+            ``attention_bias`` is refused.
+        partial_rotary: whether rotary embeddings may cover only part of each head
+            (``partial_rotary_factor`` < 1, GLM-4.5); else such a factor is refused.
+        shared_expert_gate: whether the family's shared expert is scaled by a sigmoid gate
+            (Qwen2-MoE); else a gated shared expert cannot be written as this family.
         export_problems: what of a :class:`MoETransformerConfig` this family cannot hold, one
             phrase each (empty: it can), after the checks every family shares.
         export_fields: the family's own ``config.json`` keys for a config that passed the checks.
@@ -67,6 +76,8 @@ class Family:
         expert_names: the (gate, up, down) projection names of one expert on disk.
         weight_defaults: ``(names written, config) -> tensors`` the family always has that a model
             without them writes as their neutral value.
+        model_type_aliases: other ``model_type`` s of ``config.json`` files this family reads as its
+            own (Kimi K2's ``kimi_k2``, whose custom code is DeepSeek-V3's); writing uses ``name``.
         trailing_layers: ``(what the decoder layers past num_layers hold, why they are skipped)``
             for a family whose checkpoints carry such layers (loading skips them with a warning);
             None: such tensors are an error like any other unknown one.
@@ -88,12 +99,17 @@ class Family:
     attention: str = "mha"
     qk_norm: str | None = None
     interleaved_rope: bool = False
+    optional_qk_norm: bool = False
+    attention_bias_key: str | None = None
+    partial_rotary: bool = False
+    shared_expert_gate: bool = False
     export_problems: Callable[[MoETransformerConfig], list[str]] | None = None
     export_fields: Callable[[MoETransformerConfig], dict[str, Any]] | None = None
     moe_prefix: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     weight_defaults: Callable[[set[str], MoETransformerConfig], dict[str, Tensor]] | None = None
     trailing_layers: tuple[str, str] | None = None
+    model_type_aliases: tuple[str, ...] = ()
     block_class: str | None = None
     block_weights: Mapping[str, Source] = field(default_factory=dict)
 
@@ -101,6 +117,10 @@ class Family:
     def whole_model(self) -> bool:
         """Whether whole models of this family load and save (``from_pretrained`` / ``save_pretrained``)."""
         return self.architecture is not None
+
+    def computes_qk_norm(self, mode: str | None) -> bool:
+        """Whether this family's attention can apply the q/k norm ``mode`` (None, ``"head"``, ``"full"``)."""
+        return mode == self.qk_norm or (self.optional_qk_norm and mode is None)
 
 
 _REGISTRY: dict[str, Family] = {}

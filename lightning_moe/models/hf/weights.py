@@ -9,8 +9,11 @@ dict presents the gated fc1 as ``[E, 2, F, H]`` (:mod:`lightning_moe.layers.expe
 of the same numbers. Reading accepts both Hugging Face forms (and Mixtral's in-memory ``mlp``
 prefix) and returns the state-dict layout; writing uses the per-expert keys and takes our fc1 in
 either layout (an older ``[E, 2F, H]`` export included). The router is
-``{mlp}.gate.weight`` -> ``router.weight``, DeepSeek's ``e_score_correction_bias`` -> ``router.expert_bias``; DeepSeek's shared experts
-``shared_experts.{gate,up,down}_proj`` -> ``shared_expert.fc1`` (gate rows then up rows) and ``fc2``.
+``{mlp}.gate.weight`` -> ``router.weight``; the rest of the MoE block (DeepSeek's and GLM's
+``e_score_correction_bias`` -> ``router.expert_bias``, their ``shared_experts.{gate,up,down}_proj``
+-> ``shared_expert.fc1`` (gate rows then up rows) and ``fc2``, Qwen2-MoE's ``shared_expert`` and
+``shared_expert_gate``) lies where the family's ``block_weights`` say, under the block's prefix.
+Attention biases (``attention_bias``) keep their names: ``self_attn.{q,k,v}_proj.bias``.
 Every tensor keeps its dtype; stacking and splitting copy values bit for bit.
 """
 
@@ -69,27 +72,53 @@ def _hf_name(key: str, config: MoETransformerConfig, family: str) -> str:
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
         "ffn.router.weight": f"{moe}.gate.weight",
-        "ffn.router.expert_bias": f"{moe}.gate.e_score_correction_bias",
-        "ffn.shared_expert.fc2.weight": "mlp.shared_experts.down_proj.weight",
         **{f"ffn.{name}.weight": f"mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")},
     }
     if rest in simple:
         return prefix + simple[rest]
     names = _MLA_NAMES if config.attention == "mla" else _MHA_NAMES
-    attention = re.fullmatch(r"attn\.(\w+)\.weight", rest)
+    attention = re.fullmatch(r"attn\.(\w+)\.(weight|bias)", rest)
     if attention and attention.group(1) in names:
-        return f"{prefix}self_attn.{names[attention.group(1)]}.weight"
+        return f"{prefix}self_attn.{names[attention.group(1)]}.{attention.group(2)}"
     raise ValueError(
         f"{key} has no Hugging Face {family} counterpart: this model cannot be written as {family}."
     )
 
 
-_STACKED = ("ffn.experts.fc1_weight", "ffn.experts.fc2_weight", "ffn.shared_expert.fc1.weight")
+_STACKED = ("ffn.experts.fc1_weight", "ffn.experts.fc2_weight")
 
 
 def _special(rest: str) -> str | None:
-    """``rest`` when it is a tensor Hugging Face splits (experts, the shared expert's fc1), else None."""
+    """``rest`` when it is a routed experts' tensor (Hugging Face splits them per expert), else None."""
     return rest if rest in _STACKED else None
+
+
+def _block_source(rest: str, family: str) -> Source | None:
+    """Where the MoE block's tensor ``rest`` (``ffn.{key}``) lies relative to the block, when the
+    family's ``block_weights`` name it (shared expert, shared-expert gate, expert bias), else None."""
+    if not rest.startswith("ffn."):
+        return None
+    return _family(family).block_weights.get(rest.removeprefix("ffn."))
+
+
+def _prefixed(source: Source, prefix: str, rename: Callable[[str], str] = str) -> Source:
+    """``source`` with every tensor name ``prefix + name``, passed through ``rename``."""
+    if isinstance(source, str):
+        return rename(prefix + source)
+    if source[0] == "cat":
+        return ("cat", source[1], [_prefixed(part, prefix, rename) for part in source[2]])
+    return ("stack", [_prefixed(part, prefix, rename) for part in source[1]])
+
+
+def _split(source: Source, value: Tensor) -> dict[str, Tensor]:
+    """The checkpoint tensors ``source`` reads, as views of ``value`` (the inverse of :func:`read_source`
+    for equal-sized parts: a shared expert's gate and up rows)."""
+    if isinstance(source, str):
+        return {source: value}
+    if source[0] == "cat":
+        parts = value.chunk(len(source[2]), dim=source[1])
+        return {name: piece for part, chunk in zip(source[2], parts) for name, piece in _split(part, chunk).items()}
+    return {name: piece for part, item in zip(source[1], value) for name, piece in _split(part, item).items()}
 
 
 Source = str | tuple
@@ -134,6 +163,10 @@ def hf_sources(
     sources: dict[str, Source] = {}
     for key in expected:
         match = _LAYER_KEY.fullmatch(key)
+        block = _block_source(match.group(2), family) if match else None
+        if block is not None:
+            sources[key] = _prefixed(block, f"model.layers.{match.group(1)}.{_moe_prefix(family)}.", name_of)
+            continue
         special = _special(match.group(2)) if match else None
         if special is None:
             if key == "lm_head.weight" and config.tie_embeddings:
@@ -141,10 +174,6 @@ def hf_sources(
             sources[key] = name_of(_hf_name(key, config, family))
             continue
         layer = f"model.layers.{match.group(1)}.{_moe_prefix(family)}"
-        if special == "ffn.shared_expert.fc1.weight":
-            sources[key] = ("cat", 0, [name_of(f"{layer}.shared_experts.gate_proj.weight"),
-                                       name_of(f"{layer}.shared_experts.up_proj.weight")])
-            continue
         fused = next((f"model.layers.{match.group(1)}.{p}.experts" for p in (_moe_prefix(family), "mlp")
                       if f"model.layers.{match.group(1)}.{p}.experts.gate_up_proj" in available), None)
         if fused is not None:
@@ -238,13 +267,13 @@ def hf_pieces(key: str, value: Tensor, config: MoETransformerConfig, family: str
     if key == "lm_head.weight" and config.tie_embeddings:
         return {}
     match = _LAYER_KEY.fullmatch(key)
+    block = _block_source(match.group(2), family) if match else None
+    if block is not None:
+        return _split(_prefixed(block, f"model.layers.{match.group(1)}.{_moe_prefix(family)}."), value)
     special = _special(match.group(2)) if match else None
     if special is None:
         return {_hf_name(key, config, family): value}
     layer = f"model.layers.{match.group(1)}.{_moe_prefix(family)}"
-    if special == "ffn.shared_expert.fc1.weight":
-        gate_rows, up_rows = value.chunk(2)
-        return {f"{layer}.shared_experts.gate_proj.weight": gate_rows, f"{layer}.shared_experts.up_proj.weight": up_rows}
     gate, up, down = _expert_names(family)
     tensors: dict[str, Tensor] = {}
     for e, expert in enumerate(value):

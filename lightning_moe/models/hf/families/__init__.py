@@ -1,8 +1,8 @@
 """The built-in Hugging Face families, one file each; importing this package registers them.
 
-* :mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.olmoe`, :mod:`.deepseek_v3`: whole models
-  (``from_pretrained`` / ``save_pretrained``) and their sparse-MoE blocks;
-* :mod:`.qwen2_moe`: sparse-MoE blocks only (:func:`~lightning_moe.swap_moe_blocks`).
+* :mod:`.mixtral`, :mod:`.qwen2_moe`, :mod:`.qwen3_moe`, :mod:`.olmoe`, :mod:`.deepseek_v3`
+  (Kimi K2 too), :mod:`.glm4_moe`: whole models (``from_pretrained`` / ``save_pretrained``) and
+  their sparse-MoE blocks (:func:`~lightning_moe.swap_moe_blocks`).
 
 The registration order is the order :data:`~lightning_moe.models.hf.swap.BLOCK_FAMILIES` lists
 the blocks in; :func:`~lightning_moe.models.hf.registry.model_families` sorts the names.
@@ -24,9 +24,10 @@ from lightning_moe.models.hf.families.qwen2_moe import QWEN2_MOE
 from lightning_moe.models.hf.families.qwen3_moe import QWEN3_MOE
 from lightning_moe.models.hf.families.olmoe import OLMOE
 from lightning_moe.models.hf.families.deepseek_v3 import DEEPSEEK_V3
+from lightning_moe.models.hf.families.glm4_moe import GLM4_MOE
 # isort: on
 
 __all__ = [
-    "DEEPSEEK_V3", "FAMILIES", "MIXTRAL", "OLMOE", "QWEN2_MOE", "QWEN3_MOE", "Family", "family", "model_families",
+    "DEEPSEEK_V3", "FAMILIES", "GLM4_MOE", "MIXTRAL", "OLMOE", "QWEN2_MOE", "QWEN3_MOE", "Family", "family", "model_families",
     "moe_families", "register_family",
 ]

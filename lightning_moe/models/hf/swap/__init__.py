@@ -1,7 +1,7 @@
 """Hugging Face ``transformers`` models with `MoELayer` s: :func:`swap_moe_blocks` and its inverse.
 
 ``swap_moe_blocks(model)`` replaces every sparse-MoE block of a ``transformers`` model (Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3) by a :class:`~lightning_moe.MoELayer` holding the same
+Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GLM-4.5) by a :class:`~lightning_moe.MoELayer` holding the same
 weights with the same routing, so the model trains under ``MoEStrategy`` with expert parallelism
 and the MoE callbacks; ``unswap_moe_blocks(model)`` puts the ``transformers`` blocks back with the
 trained weights, for ``save_pretrained``::

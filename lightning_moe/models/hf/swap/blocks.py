@@ -145,7 +145,7 @@ def swap_moe_blocks(model: nn.Module, **overrides: Any) -> list[str]:
     """Replace, in place, every ``transformers`` sparse-MoE block of ``model`` by a `MoELayer` with the
     same weights and the same routing; returns the names of the replaced modules.
 
-    Supported blocks (``transformers`` 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V3
+    Supported blocks (``transformers`` 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 and GLM-4.5
     (:data:`~lightning_moe.models.hf.swap.families.BLOCK_FAMILIES`). The routing is read from the
     config of the ``transformers`` model around each block
     (:func:`~lightning_moe.models.hf.config_map.moe_config_from_hf`); a setting a `MoELayer` cannot
