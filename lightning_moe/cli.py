@@ -8,6 +8,7 @@
     lightning-moe export CKPT OUT                              # a checkpoint's weights as one file
     lightning-moe export CKPT OUT_DIR --format hf              # ... as a Hugging Face model directory
     lightning-moe export LORA_CKPT OUT --merge [--format hf]   # a LoRA run's base with its adapters folded in
+    lightning-moe export LORA_CKPT OUT --adapter               # a LoRA run's adapters as a PEFT directory
     lightning-moe generate CKPT --prompt "def main("           # continue a prompt (greedy; --temperature samples)
     lightning-moe test --config ... --ckpt_path CKPT           # test_loss / test_ppl on the held-out documents
     lightning-moe plan --config ... --gpu_memory 80GB          # per-rank memory before launching; --search
@@ -67,7 +68,7 @@ from lightning_moe.cli_ckpt_hparams import checkpoint_hyperparameters
 from lightning_moe.cli_generate import GENERATE_HELP, Generated, generate_main, generate_parser
 from lightning_moe.cli_help import HelpParser
 from lightning_moe.cli_plan import PLAN_HELP, plan_main, plan_parser
-from lightning_moe.lora.export import export_merged
+from lightning_moe.lora.export import export_adapter, export_merged
 from lightning_moe.models.hf.families import model_families
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.layout.check import check_model_layout, meta_copy
@@ -124,8 +125,14 @@ def export_parser() -> ArgumentParser:
         "from the init_from directory the run recorded (or --base) and checked against the recorded fingerprint. "
         "Holds the whole model in memory.",
     )
+    parser.add_argument(
+        "--adapter", action="store_true",
+        help="A LoRA checkpoint: write its adapters alone as a PEFT directory (adapter_config.json + "
+        "adapter_model.safetensors) for the Hugging Face model the run started from; adapters PEFT cannot apply "
+        "(the shared experts' and dense MLPs' in MoE families) are refused.",
+    )
     parser.add_argument("--base", default=None, help="--merge: the base model's Hugging Face directory (default: the "
-                        "run's init_from).")
+                        "run's init_from); --adapter: the base_model_name_or_path to record.")
     parser.add_argument("--overwrite", action="store_true", help="Replace OUT if it exists (default: refuse).")
     parser.add_argument(
         "--no-verify", dest="no_verify", action="store_true",
@@ -139,12 +146,19 @@ def export_main(args: list[str]) -> ExportedCheckpoint:
     one-line message (usage errors with 2)."""
     options = export_parser().parse_args(args)
     try:
-        if options.merge:
+        if options.merge and options.adapter:
+            raise ValueError("--merge and --adapter exclude each other: write the merged model or the adapters alone.")
+        if options.adapter:
+            if options.format != "torch":
+                raise ValueError("--adapter writes PEFT's format; leave out --format.")
+            summary = export_adapter(options.checkpoint, options.output, family=options.family, base=options.base,
+                                     overwrite=options.overwrite, verify=not options.no_verify)
+        elif options.merge:
             summary = export_merged(options.checkpoint, options.output, fmt=options.format, base=options.base,
                                     family=options.family, overwrite=options.overwrite, verify=not options.no_verify,
                                     max_shard_size=options.max_shard_size)
         elif options.base is not None:
-            raise ValueError("--base goes with --merge (it names the base model of a LoRA checkpoint).")
+            raise ValueError("--base goes with --merge or --adapter (it names the base model of a LoRA checkpoint).")
         elif options.format == "hf":
             summary = export_hf(options.checkpoint, options.output, family=options.family, overwrite=options.overwrite,
                                 verify=not options.no_verify, max_shard_size=options.max_shard_size)

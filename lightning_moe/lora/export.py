@@ -1,4 +1,4 @@
-"""Export a LoRA checkpoint with the adapters folded into its base (``lightning-moe export --merge``).
+"""Export a LoRA checkpoint: merged into its base (``export --merge``), or as a PEFT adapter (``export --adapter``).
 
 A LoRA run's checkpoint holds the adapters only (:mod:`lightning_moe.lora.checkpoint`); its base is
 the ``init_from`` directory the run recorded. :func:`export_merged` reads the adapters of the
@@ -10,11 +10,16 @@ model: a ``torch.save`` file with the keys of a plain ``MoELanguageModel``'s sta
 
 Unlike the plain exports, which stream a tensor at a time, this one holds the whole base model in
 this process's memory (on the CPU).
+
+:func:`export_adapter` writes the adapters alone in PEFT's directory format
+(:mod:`lightning_moe.lora.peft_format`), for the Hugging Face model the run started from; it
+reads only the checkpoint (no base weights).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -27,8 +32,9 @@ from lightning_moe.checkpoint.files import partial_path
 from lightning_moe.lora.apply import apply_lora, is_adapter_key, merge_lora
 from lightning_moe.lora.checkpoint import LORA_RECORD_KEY, base_fingerprint, base_mismatches
 from lightning_moe.lora.config import LoRAConfig
+from lightning_moe.lora.peft_format import PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME, peft_adapter
 
-__all__ = ["MERGE_FORMATS", "export_merged"]
+__all__ = ["MERGE_FORMATS", "export_adapter", "export_merged"]
 
 MERGE_FORMATS = ("torch", "hf")
 """What :func:`export_merged` writes: one ``torch.save`` file, or a Hugging Face directory."""
@@ -55,6 +61,90 @@ def _base_path(record: dict, checkpoint: Path, base: str | os.PathLike | None) -
         raise FileNotFoundError(2, f"The base {path} of the LoRA checkpoint {checkpoint} is not a directory; pass "
                                    "where it is now (--base DIR)")
     return Path(path)
+
+
+def _replace(partial: Path, target: Path, source: Path, overwrite: bool) -> None:
+    _check_output(target, source, overwrite)  # it may have appeared while the checkpoint was read
+    if target.is_dir():
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+    os.replace(partial, target)
+
+
+def _lora_record(extras: dict, source: Path) -> dict:
+    record = extras.get(LORA_RECORD_KEY)
+    if not isinstance(record, dict):
+        raise ValueError(f"{source} is not a LoRA checkpoint (no {LORA_RECORD_KEY!r} record): export it without "
+                         "--merge or --adapter.")
+    return record
+
+
+def export_adapter(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    family: str | None = None,
+    base: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
+) -> ExportedCheckpoint:
+    """Write the adapters of the LoRA ``checkpoint`` as a PEFT adapter directory ``output``.
+
+    ``output`` gets ``adapter_config.json`` and ``adapter_model.safetensors``, which
+    ``peft.PeftModel.from_pretrained(transformers_model, output)`` applies to the Hugging Face model
+    the run started from (the same logits as the trained model); the targets PEFT cannot hold are
+    refused by name (:mod:`lightning_moe.lora.peft_format`).
+
+    Args:
+        checkpoint: a LoRA run's checkpoint (a sharded directory of any layout, or one file).
+        output: the directory to write, atomically.
+        family: the Hugging Face family (default: the one the run recorded, else inferred).
+        base: ``base_model_name_or_path`` to record (default: the run's ``init_from``).
+        overwrite: replace an existing ``output``.
+        verify: check the checkpoint's files against their SHA-256 first.
+
+    Raises:
+        ValueError: not a LoRA checkpoint, or adapters PEFT cannot load.
+        FileNotFoundError, FileExistsError, OSError: as the other exports.
+    """
+    from safetensors.torch import save_file  # the hf extra
+
+    from lightning_moe.checkpoint.export_hf import MODEL_CONFIG_KEY, recorded_config
+    from lightning_moe.models.hf import infer_family
+
+    source, target = Path(checkpoint), Path(output)
+    _check_output(target, source, overwrite)
+    state, kind, layout, verified, extras = read_checkpoint(source, verify)
+    record = _lora_record(extras, source)
+    config = recorded_config(extras, source)
+    model_record = extras.get(MODEL_CONFIG_KEY) if isinstance(extras.get(MODEL_CONFIG_KEY), dict) else {}
+    family = family or model_record.get("hf_family") or infer_family(config)
+    adapters = {key[len(_PREFIX):]: value for key, value in state.items()
+                if key.startswith(_PREFIX) and is_adapter_key(key)}
+    if not adapters:
+        raise ValueError(f"{source} records LoRA but holds no adapter tensors.")
+    base_path = base if base is not None else record.get("init_from")
+    adapter_config, tensors = peft_adapter(adapters, config, LoRAConfig(**record["config"]), family,
+                                           base=None if base_path is None else str(base_path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(target, uuid.uuid4().hex)
+    try:
+        partial.mkdir()
+        (partial / PEFT_CONFIG_NAME).write_text(json.dumps(adapter_config, indent=2) + "\n", encoding="utf-8")
+        save_file(tensors, str(partial / PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+        _replace(partial, target, source, overwrite)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(partial)
+        failure = write_failure(target, err)
+        if failure is err:
+            raise
+        raise failure from err
+    return ExportedCheckpoint(
+        source=source, output=target, kind=kind, num_tensors=len(tensors),
+        num_bytes=sum(v.numel() * v.element_size() for v in tensors.values()), layout=layout, verified=verified,
+    )
 
 
 def export_merged(
@@ -90,9 +180,7 @@ def export_merged(
     source, target = Path(checkpoint), Path(output)
     _check_output(target, source, overwrite)
     state, kind, layout, verified, extras = read_checkpoint(source, verify)
-    record = extras.get(LORA_RECORD_KEY)
-    if not isinstance(record, dict):
-        raise ValueError(f"{source} is not a LoRA checkpoint (no {LORA_RECORD_KEY!r} record): export it without --merge.")
+    record = _lora_record(extras, source)
     from lightning_moe.models import MoETransformer
     from lightning_moe.models.hf import save_pretrained  # safetensors: the hf extra
 
@@ -121,12 +209,7 @@ def export_merged(
             torch.save(merged, partial)
         else:
             save_pretrained(model, partial, family=family, max_shard_size=max_shard_size)
-        _check_output(target, source, overwrite)
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-        os.replace(partial, target)
+        _replace(partial, target, source, overwrite)
     except BaseException as err:
         with contextlib.suppress(OSError):
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()

@@ -187,3 +187,20 @@ def test_export_merge_folds_the_adapters_into_the_base(runs, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged_hf").eval()
     with torch.no_grad():
         assert_close_to_scale(hf(tokens).logits, want, TOL, "merged hf export")
+
+
+def test_export_adapter_writes_what_peft_applies_to_the_base(runs, tmp_path):
+    import transformers
+
+    peft = pytest.importorskip("peft", reason="the test extra installs peft")
+    ranks, base = runs
+    tokens = torch.randint(0, 320, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    want = _lora_logits(base, ranks[0]["first"]["adapters"], tokens)
+    export_main([str(ranks[0]["path"]), str(tmp_path / "adapter"), "--adapter"])  # the EP=2 sharded checkpoint
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(input_ids=tokens).logits
+    assert_close_to_scale(got, want, TOL, "the PEFT adapter on the transformers base")
+    with pytest.raises(SystemExit):
+        export_main([str(ranks[0]["path"]), str(tmp_path / "both"), "--adapter", "--merge"])
