@@ -291,8 +291,18 @@ def test_dense_model_without_moe():
                 score_func="sigmoid", expert_bias=True,
             ),
         },
+        {
+            "moe": MoEConfig(
+                hidden_size=HIDDEN, ffn_hidden_size=24, num_experts=8, top_k=2, activation="clamped_swiglu",
+                fc1_bias=True, fc2_bias=True, router_bias=True,
+            ),
+        },
+        {
+            "moe": MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=24, num_experts=8, top_k=2, activation="relu",
+                             fc1_bias=True),
+        },
     ],
-    ids=["default", "mha-head-dim", "tied-first-dense", "gelu-bias-shared"],
+    ids=["default", "mha-head-dim", "tied-first-dense", "gelu-bias-shared", "gpt-oss-experts", "relu-fc1-bias"],
 )
 def test_num_parameters_matches_the_module(overrides):
     config = tiny_config(**overrides)
