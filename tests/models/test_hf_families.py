@@ -270,7 +270,7 @@ _DROP = object()
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"model_type": "llama"}, r"model_type 'llama' is not supported.*deepseek_v3, mixtral, olmoe, qwen3_moe"),
+        ({"model_type": "llama"}, r"model_type 'llama' is not supported.*deepseek_v3, gpt_oss, mixtral, olmoe, qwen3_moe"),
         ({"sliding_window": 16}, r"sliding_window=16 .* not supported"),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}},
          r"rope_type 'linear' is not supported.*default, yarn"),

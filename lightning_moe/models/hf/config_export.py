@@ -26,9 +26,13 @@ PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def infer_family(config: MoETransformerConfig) -> str:
     """The only family whose attention matches ``config`` (the rest is checked by :func:`config_to_hf`):
-    the whole-model family of the same attention and, for multi-head attention, the same q/k norm."""
+    the whole-model family of the same attention and, for multi-head attention, the same q/k norm,
+    whose experts use ``config``'s activation (GPT-OSS's clamped SwiGLU, else SwiGLU)."""
+    activation = config.moe.activation if config.moe is not None else None
     for name in model_families():
         spec = _family(name)
+        if spec.expert_activation != "swiglu" and activation != spec.expert_activation:
+            continue  # GPT-OSS only for its own activation; a SwiGLU family's export names any mismatch
         if spec.attention == config.attention and (spec.attention == "mla" or spec.qk_norm == config.qk_norm_mode):
             return name
     raise ValueError(
@@ -50,10 +54,12 @@ def _check_common(config: MoETransformerConfig, spec: Family) -> list[str]:
     problems = []
     if moe is None:
         return [f"a dense model (moe=None) has no {name} form"]
-    if moe.activation != "swiglu":
-        problems.append(f"experts use activation={moe.activation!r}, {name} uses SwiGLU (silu)")
-    if moe.fc2_bias:
-        problems.append(f"fc2_bias=True: {name} experts have no bias")
+    if moe.activation != spec.expert_activation:
+        problems.append(f"experts use activation={moe.activation!r}, {name} uses {spec.expert_activation!r}")
+    if not spec.expert_biases:
+        for bias in ("fc1_bias", "fc2_bias", "router_bias"):
+            if getattr(moe, bias):
+                problems.append(f"{bias}=True: {name} {'router' if bias == 'router_bias' else 'experts'} have no bias")
     if moe.shared_expert_gate:
         problems.append(f"shared_expert_gate=True: {name} has no shared-expert gate")
     if config.attention != spec.attention:

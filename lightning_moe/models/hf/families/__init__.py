@@ -2,6 +2,7 @@
 
 * :mod:`.mixtral`, :mod:`.qwen3_moe`, :mod:`.olmoe`, :mod:`.deepseek_v3`: whole models
   (``from_pretrained`` / ``save_pretrained``) and their sparse-MoE blocks;
+* :mod:`.gpt_oss`: whole models (MXFP4 experts dequantised on load), no block swap;
 * :mod:`.qwen2_moe`: sparse-MoE blocks only (:func:`~lightning_moe.swap_moe_blocks`).
 
 The registration order is the order :data:`~lightning_moe.models.hf.swap.BLOCK_FAMILIES` lists
@@ -24,9 +25,10 @@ from lightning_moe.models.hf.families.qwen2_moe import QWEN2_MOE
 from lightning_moe.models.hf.families.qwen3_moe import QWEN3_MOE
 from lightning_moe.models.hf.families.olmoe import OLMOE
 from lightning_moe.models.hf.families.deepseek_v3 import DEEPSEEK_V3
+from lightning_moe.models.hf.families.gpt_oss import GPT_OSS
 # isort: on
 
 __all__ = [
-    "DEEPSEEK_V3", "FAMILIES", "MIXTRAL", "OLMOE", "QWEN2_MOE", "QWEN3_MOE", "Family", "family", "model_families",
+    "DEEPSEEK_V3", "FAMILIES", "GPT_OSS", "MIXTRAL", "OLMOE", "QWEN2_MOE", "QWEN3_MOE", "Family", "family", "model_families",
     "moe_families", "register_family",
 ]
