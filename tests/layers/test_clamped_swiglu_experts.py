@@ -184,3 +184,25 @@ def test_lora_experts_keep_the_fc1_bias():
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         _close(adapted(x), layer(x), OUT_TOL, "LoRA output at B = 0")
+
+
+def test_fp8_experts_add_the_fc1_bias():
+    from lightning_moe.precision.torch_fp8 import TorchFP8Recipe
+    from lightning_moe.precision.torch_fp8_convert import convert_to_float8
+
+    torch.manual_seed(9)
+    layer = MoELayer(_gated_config(2.0, init_std=0.2, ffn_hidden_size=16), expert_kernel="loop")  # FP8: multiples of 16
+    _randomise_biases(layer, seed=10)
+    with torch.no_grad():
+        layer.experts.fc1_bias.mul_(4)  # an effect far above the FP8 rounding
+    fp8 = copy.deepcopy(layer)
+    assert convert_to_float8(fp8, TorchFP8Recipe()).converted == ["experts"]
+    no_bias = copy.deepcopy(fp8)
+    with torch.no_grad():
+        no_bias.experts.fc1_bias.zero_()
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        expected, got, without = layer(x), fp8(x), no_bias(x)
+    fp8_error = (got - expected).abs().max().item()
+    assert fp8_error <= 0.1 * expected.abs().max().item()  # e4m3 operands: a few percent
+    assert (without - expected).abs().max().item() > 5 * fp8_error  # premise: the bias matters
