@@ -15,7 +15,8 @@ the whole model:
 
 Hugging Face names map through :mod:`lightning_moe.models.hf.weights`: a stacked expert tensor reads
 only the local experts' per-expert tensors (or the slice of ``transformers`` 5's fused ones), the
-shared expert's fc1 its gate and up rows. The block is copied into the local tensor in place (the
+shared expert's fc1 its gate and up rows, an MXFP4 tensor (GPT-OSS's experts) only the packed
+bytes and scales of its block, dequantised. The block is copied into the local tensor in place (the
 optimizer's references stay valid), cast to the parameter's dtype. Every parameter and buffer must
 be filled and every tensor of the directory used (DeepSeek's multi-token-prediction layers are
 skipped with a warning); the errors name the tensor. A model trimmed to its pipeline stages
@@ -38,6 +39,7 @@ from lightning_moe.lora.apply import is_adapter_key
 from lightning_moe.models import MoETransformer
 from lightning_moe.models.hf.config_map import config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config
+from lightning_moe.models.hf.mxfp4 import VALUES_PER_BLOCK, dequantize_mxfp4, mxfp4_shape
 from lightning_moe.models.hf.weights import Source, check_leftovers, hf_sources
 from lightning_moe.parallel.expert_parallel import expert_shard, ffn_block_ranges
 from lightning_moe.parallel.pipeline.split import trim_record
@@ -96,28 +98,68 @@ class _SliceReader:
     def shape(self, source: Source) -> tuple[int, ...]:
         if isinstance(source, str):
             return tuple(self.reader.get_slice(source).get_shape())
-        if source[0] == "stack":
+        kind = source[0]
+        if kind == "stack":
             return (len(source[1]), *self.shape(source[1][0]))
+        if kind == "mxfp4":
+            return mxfp4_shape(self.shape(source[1]), self.shape(source[2]))
+        if kind == "transpose":
+            shape = list(self.shape(source[3]))
+            shape[source[1]], shape[source[2]] = shape[source[2]], shape[source[1]]
+            return tuple(shape)
+        if kind == "deinterleave":
+            return self.shape(source[2])
+        if kind == "halves":
+            shape, dim = self.shape(source[2]), source[1]
+            return (*shape[:dim], 2, shape[dim] // 2, *shape[dim + 1 :])
         dim, parts = source[1], source[2]
         shapes = [self.shape(part) for part in parts]
         return (*shapes[0][:dim], sum(s[dim] for s in shapes), *shapes[0][dim + 1 :])
 
     def read(self, source: Source, ranges: Ranges) -> Tensor:
         """The local tensor: every combination of ``ranges`` read and concatenated in order."""
+        # A de-interleaved dimension reads its pieces together: an ETP rank's gate block and up
+        # block are the even and odd positions of one span of the checkpoint's interleaved rows.
+        joint = source[1] if isinstance(source, tuple) and source[0] == "deinterleave" else None
         for dim, pieces in enumerate(ranges):
-            if len(pieces) != 1:
+            if len(pieces) != 1 and dim != joint:
                 parts = [self.read(source, [*ranges[:dim], [piece], *ranges[dim + 1 :]]) for piece in pieces]
                 return torch.cat(parts, dim=dim)
+        if joint is not None:
+            return self._read_deinterleaved(source[2], joint, ranges)
         return self._read_box(source, [pieces[0] for pieces in ranges])
+
+    def _slice(self, name: str, box: list[tuple[int, int]]) -> Tensor:
+        block = self.reader.get_slice(name)[tuple(slice(a, b) for a, b in box)]
+        self.bytes_read += block.numel() * block.element_size()
+        return block
 
     def _read_box(self, source: Source, box: list[tuple[int, int]]) -> Tensor:
         if isinstance(source, str):
-            block = self.reader.get_slice(source)[tuple(slice(a, b) for a, b in box)]
-            self.bytes_read += block.numel() * block.element_size()
-            return block
-        if source[0] == "stack":
+            return self._slice(source, box)
+        kind = source[0]
+        if kind == "stack":
             (a, b), rest = box[0], box[1:]
             return torch.stack([self._read_box(source[1][e], rest) for e in range(a, b)])
+        if kind == "mxfp4":
+            return self._read_mxfp4(source[1], source[2], box)
+        if kind == "transpose":
+            d0, d1 = source[1], source[2]
+            swapped = list(box)
+            swapped[d0], swapped[d1] = box[d1], box[d0]
+            return self._read_box(source[3], swapped).transpose(d0, d1)
+        if kind == "deinterleave":
+            return self._read_deinterleaved(source[2], source[1], [[r] for r in box])
+        if kind == "halves":
+            dim, part = source[1], source[2]
+            half = self.shape(part)[dim] // 2
+            (i0, i1), (a, b) = box[dim], box[dim + 1]
+            rest = [*box[:dim], None, *box[dim + 2 :]]
+            pieces = []
+            for i in range(i0, i1):
+                rest[dim] = (i * half + a, i * half + b)
+                pieces.append(self._read_box(part, list(rest)))
+            return torch.stack(pieces, dim=dim)
         dim, parts = source[1], source[2]
         a, b = box[dim]
         blocks, position = [], 0
@@ -128,6 +170,34 @@ class _SliceReader:
                 blocks.append(self._read_box(part, [*box[:dim], (lo - position, hi - position), *box[dim + 1 :]]))
             position += size
         return torch.cat(blocks, dim=dim)
+
+
+    def _read_deinterleaved(self, part: Source, dim: int, ranges: Ranges) -> Tensor:
+        """Positions ``ranges[dim]`` of ``[even positions ; odd positions]`` of ``part`` along ``dim``
+        (one range in every other dimension), read as one span of ``part``'s position pairs."""
+        half = self.shape(part)[dim] // 2
+        wanted = []  # (parity, first pair, last pair + 1) of each piece, in order
+        for a, b in ranges[dim]:
+            for parity, (lo, hi) in enumerate(((a, min(b, half)), (max(a, half) - half, b - half))):
+                if lo < hi:
+                    wanted.append((parity, lo, hi))
+        first, last = min(w[1] for w in wanted), max(w[2] for w in wanted)
+        box = [pieces[0] for pieces in ranges]
+        box[dim] = (2 * first, 2 * last)
+        pairs = self._read_box(part, box).unflatten(dim, (-1, 2))
+        return torch.cat([pairs.narrow(dim, lo - first, hi - lo).select(dim + 1, parity)
+                          for parity, lo, hi in wanted], dim=dim)
+
+    def _read_mxfp4(self, blocks: str, scales: str, box: list[tuple[int, int]]) -> Tensor:
+        """A box ``[experts, columns, rows]`` of a dequantised MXFP4 tensor, reading only the packed
+        groups of 32 columns that cover it."""
+        (e0, e1), (c0, c1), (r0, r1) = box
+        g0, g1 = c0 // VALUES_PER_BLOCK, -(-c1 // VALUES_PER_BLOCK)
+        # Blocks are [E, R, G, 16], or [E, R, G * 16] with each block's bytes in the last dimension.
+        per_group = 1 if len(self.shape(blocks)) == 4 else VALUES_PER_BLOCK // 2
+        packed = self._slice(blocks, [(e0, e1), (r0, r1), (g0 * per_group, g1 * per_group)])
+        exponents = self._slice(scales, [(e0, e1), (r0, r1), (g0, g1)])
+        return dequantize_mxfp4(packed, exponents).narrow(1, c0 - g0 * VALUES_PER_BLOCK, c1 - c0)
 
 
 def _persistent_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

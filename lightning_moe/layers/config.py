@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_moe.layers.activations import ACTIVATIONS
+from lightning_moe.layers.activations import ACTIVATION_PARAMS, ACTIVATIONS
 from lightning_moe.layers.field_docs import document_fields
 
 __all__ = ["LOAD_BALANCING_TYPES", "SCORE_FUNCTIONS", "MoEConfig"]
@@ -99,7 +99,8 @@ class MoEConfig:
     FP8/FP4 grouped GEMMs (16, 32 or 128; Megatron ``moe_router_padding_for_quantization``)."""
 
     activation: str = "swiglu"
-    """Expert activation: ``swiglu`` (gated), ``gelu``, ``relu`` or ``squared_relu``
+    """Expert activation: ``swiglu`` (gated), ``clamped_swiglu`` (gated, GPT-OSS's: see
+    ``activation_alpha`` and ``activation_limit``), ``gelu``, ``relu`` or ``squared_relu``
     (Megatron ``gated_linear_unit`` + ``activation_func``)."""
 
     fc2_bias: bool = False
@@ -123,6 +124,21 @@ class MoEConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of every weight (Megatron ``init_method_std``)."""
 
+    fc1_bias: bool = False
+    """Bias on each expert's fc1 (GPT-OSS ``gate_up_proj_bias``), added before the activation; for a
+    gated activation one ``[gate ; up]`` bias, ``experts.fc1_bias`` ``[E, 2, F]``. Initialised to zero."""
+
+    router_bias: bool = False
+    """Bias on the router's linear, ``router.bias`` ``[E]``, added to the logits before the top-k and
+    the score function (GPT-OSS's router). Initialised to zero."""
+
+    activation_alpha: float = 1.702
+    """``clamped_swiglu`` only: ``out = gate * sigmoid(alpha * gate) * (up + 1)`` (GPT-OSS ``swiglu_alpha``)."""
+
+    activation_limit: float = 7.0
+    """``clamped_swiglu`` only: the gate is clamped to ``<= limit`` and the up projection to
+    ``[-limit, limit]`` before the product (GPT-OSS ``swiglu_limit``)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.load_balancing, str):
             self.load_balancing = [self.load_balancing]
@@ -136,6 +152,13 @@ class MoEConfig:
         if isinstance(coeffs, (int, float)):
             coeffs = [float(coeffs)] * len(self.load_balancing)
         return dict(zip(self.load_balancing, (float(c) for c in coeffs)))
+
+    @property
+    def activation_params(self) -> dict[str, float]:
+        """The keyword parameters of ``activation`` (:data:`~lightning_moe.layers.activations.ACTIVATION_PARAMS`):
+        ``alpha`` and ``limit`` for ``clamped_swiglu``, none for the others."""
+        values = {"alpha": float(self.activation_alpha), "limit": float(self.activation_limit)}
+        return {name: values[name] for name in ACTIVATION_PARAMS.get(self.activation, {})}
 
     def _validate(self) -> None:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
@@ -165,6 +188,11 @@ class MoEConfig:
             )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"Unknown activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}.")
+        if not self.activation_limit > 0:
+            raise ValueError(
+                f"activation_limit={self.activation_limit} must be > 0 (GPT-OSS uses 7.0): the up projection "
+                "is clamped to [-limit, limit]."
+            )
         self._validate_losses()
         self._validate_capacity()
 

@@ -1,6 +1,6 @@
 """The expert MLP math, expert by expert, with a hand-written backward.
 
-Every expert ``e`` maps its rows ``x_e`` to ``y_e = (act(x_e W1_e^T) * p_e) W2_e^T (+ p_e b2_e)``:
+Every expert ``e`` maps its rows ``x_e`` to ``y_e = (act(x_e W1_e^T (+ b1_e)) * p_e) W2_e^T (+ p_e b2_e)``:
 the routing probability ``p`` multiplies the activation output, before fc2 (Megatron Core's
 order, so the combine is a plain sum).
 
@@ -223,9 +223,9 @@ class ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, fc1, fc2, fc2_bias, probs, counts, row_index, num_out_rows, activation, save_act, workspace, cdt,
-        gemm, permutation,
+        gemm, permutation, fc1_bias, act_params,
     ):
-        act = activation_fn(activation)
+        act = activation_fn(activation, **act_params)
         n_rows = sum(counts)
         out_rows = n_rows if row_index is None else num_out_rows
         # A permutation writes every output row exactly once: no zero fill, no accumulation.
@@ -242,6 +242,9 @@ class ExpertMLPFunction(torch.autograd.Function):
                 continue
             rows = slice(start, start + n)
             h = gemm.nt(_expert_rows(x, index, start, n, padded[e]).to(cdt), fc1[e].to(cdt))
+            if fc1_bias is not None:
+                # Padding rows become the bias too; their probability is zero, so they add nothing.
+                h += fc1_bias[e].to(cdt)
             z = act(h)
             fc1_outs.append(h)
             if save_act:
@@ -253,8 +256,9 @@ class ExpertMLPFunction(torch.autograd.Function):
             _write_rows(out, rows, y, row_index, permutation)
             start += n
         # The unpadded row index: the one the experts' saved-tensor tagging knows (never offloaded).
-        ctx.save_for_backward(x, fc1, fc2, fc2_bias, probs, row_index, *fc1_outs, *act_outs)
+        ctx.save_for_backward(x, fc1, fc2, fc2_bias, fc1_bias, probs, row_index, *fc1_outs, *act_outs)
         ctx.counts, ctx.padded, ctx.activation, ctx.compute_dtype = counts, padded, activation, cdt
+        ctx.act_params = act_params
         ctx.gemm, ctx.permutation = gemm, permutation
         ctx.workspace = workspace
         # The weights themselves, weakly: saved-tensor hooks hand backward other tensor objects,
@@ -264,13 +268,14 @@ class ExpertMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, fc1, fc2, fc2_bias, probs, row_index, *chunks = ctx.saved_tensors
+        x, fc1, fc2, fc2_bias, fc1_bias, probs, row_index, *chunks = ctx.saved_tensors
         index = _padded_index(row_index, ctx.counts, ctx.padded)
         active = sum(1 for n in ctx.counts if n)
         fc1_outs, act_outs = chunks[:active], chunks[active:] or None
         cdt, gemm = ctx.compute_dtype, ctx.gemm
         grad_out = grad_out.to(cdt)
         need_x, need_w1, need_w2, need_b, need_p = ctx.needs_input_grad[:5]
+        need_b1 = ctx.needs_input_grad[14]
         # Every row of x receives exactly one row's gradient through a permutation: no zero fill.
         alloc = torch.empty if ctx.permutation else torch.zeros
         grad_x = alloc(x.shape, dtype=accumulation_dtype(cdt), device=x.device) if need_x else None
@@ -279,6 +284,7 @@ class ExpertMLPFunction(torch.autograd.Function):
         grad_fc1 = _weight_grad(ctx.workspace, "fc1", fc1 if live_fc1 is None else live_fc1, cdt) if need_w1 else None
         grad_fc2 = _weight_grad(ctx.workspace, "fc2", fc2 if live_fc2 is None else live_fc2, cdt) if need_w2 else None
         grad_b = torch.zeros(fc2_bias.shape, dtype=cdt, device=x.device) if need_b else None
+        grad_b1 = torch.zeros(fc1_bias.shape, dtype=cdt, device=x.device) if need_b1 else None
         grad_p = torch.zeros(probs.shape, dtype=probs.dtype, device=x.device) if need_p else None
         start = chunk = 0
         for e, n in enumerate(ctx.counts):
@@ -292,7 +298,7 @@ class ExpertMLPFunction(torch.autograd.Function):
             saved_z = None if act_outs is None else act_outs[chunk]
             chunk += 1
             dy = _expert_rows(grad_out, index, start, n, m)
-            z, cache = activation_with_cache(ctx.activation, h) if saved_z is None else (saved_z, None)
+            z, cache = activation_with_cache(ctx.activation, h, **ctx.act_params) if saved_z is None else (saved_z, None)
             p = _expert_rows(probs, None, start, n, m).unsqueeze(-1)
             if need_w2:
                 gemm.tn_into(dy, (z * p).to(cdt), grad_fc2[e])
@@ -305,9 +311,11 @@ class ExpertMLPFunction(torch.autograd.Function):
                     dp += dy[:n] @ fc2_bias[e].to(cdt)
                 grad_p[rows] = dp.to(probs.dtype)
             start += n
-            if not (need_x or need_w1):
+            if not (need_x or need_w1 or need_b1):
                 continue
-            dh = activation_backward(ctx.activation, h, da.mul_(p), cache)
+            dh = activation_backward(ctx.activation, h, da.mul_(p), cache, **ctx.act_params)
+            if need_b1:
+                grad_b1[e] = dh[:n].sum(0)
             if need_w1:
                 gemm.tn_into(dh, _expert_rows(x, index, rows.start, n, m).to(cdt), grad_fc1[e])
             if need_x:
@@ -320,6 +328,7 @@ class ExpertMLPFunction(torch.autograd.Function):
             cast(grad_x, x), cast(grad_fc1, fc1), cast(grad_fc2, fc2),
             cast(grad_b, fc2_bias) if fc2_bias is not None else None, grad_p,
             None, None, None, None, None, None, None, None, None,
+            cast(grad_b1, fc1_bias) if fc1_bias is not None else None, None,
         )
 
 
@@ -359,6 +368,8 @@ def expert_mlp(
     grad_workspace: ExpertGradWorkspace | None = None,
     compute_dtype: torch.dtype | None = None,
     row_index_is_permutation: bool = False,
+    fc1_bias: Tensor | None = None,
+    activation_params: dict[str, float] | None = None,
 ) -> Tensor:
     """Run every expert on its rows; probs multiply the activation output before fc2.
 
@@ -369,6 +380,7 @@ def expert_mlp(
         fc2: ``[E, H, F]``.
         probs: ``[N]`` routing probability of each row (expert-major order).
         counts: rows per expert, a host list summing to ``N``.
+        fc2_bias: optional ``[E, H]``, scaled by the probability like the rest of the output.
         row_index: ``[N]`` token index of each expert-major row; the output is then the
             ``[num_out_rows, H]`` scatter-add of the rows (a fused permute/unpermute).
         save_activation: keep the activation output for backward (faster); False recomputes
@@ -380,6 +392,8 @@ def expert_mlp(
         row_index_is_permutation: ``row_index`` holds every one of the ``num_out_rows`` rows of ``x``
             exactly once (the all-to-all dispatcher's received rows): outputs and input gradients
             are then scattered with ``index_copy`` (deterministic) instead of ``index_add``.
+        fc1_bias: optional ``[E, F1]``, added to the fc1 output before the activation (rows like fc1's).
+        activation_params: keyword parameters of ``activation`` (``clamped_swiglu``'s ``alpha`` and ``limit``).
 
     Returns:
         ``[N, H]`` expert outputs in row order, or ``[num_out_rows, H]`` combined per token.
@@ -398,18 +412,23 @@ def expert_mlp(
     with autocast_disabled(x.device):
         return ExpertMLPFunction.apply(
             x, fc1, fc2, fc2_bias, probs, list(counts), row_index, num_out_rows, activation, save_activation,
-            grad_workspace, cdt, gemm, permutation,
+            grad_workspace, cdt, gemm, permutation, fc1_bias, dict(activation_params or {}),
         )
 
 
-def reference_expert_mlp(x, fc1, fc2, probs, counts, activation="swiglu", fc2_bias=None):
+def reference_expert_mlp(
+    x, fc1, fc2, probs, counts, activation="swiglu", fc2_bias=None, fc1_bias=None, activation_params=None
+):
     """Plain autograd loop over experts: the oracle for :func:`expert_mlp` and the grouped path."""
-    act = activation_fn(activation)
+    act = activation_fn(activation, **(activation_params or {}))
     outs, start = [], 0
     for e, n in enumerate(counts):
         rows = slice(start, start + n)
         p = probs[rows].unsqueeze(-1)
-        y = (act(x[rows] @ fc1[e].t()) * p).to(x.dtype) @ fc2[e].t()
+        h = x[rows] @ fc1[e].t()
+        if fc1_bias is not None:
+            h = h + fc1_bias[e]
+        y = (act(h) * p).to(x.dtype) @ fc2[e].t()
         if fc2_bias is not None:
             y = y + p * fc2_bias[e]
         outs.append(y.to(x.dtype))
@@ -427,11 +446,11 @@ class GroupedActivationFc2Function(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, probs, fc2, offsets, activation):
-        z = (activation_fn(activation)(h) * probs.unsqueeze(-1)).to(h.dtype)
+    def forward(ctx, h, probs, fc2, offsets, activation, act_params):
+        z = (activation_fn(activation, **act_params)(h) * probs.unsqueeze(-1)).to(h.dtype)
         out = F.grouped_mm(z, fc2.transpose(-2, -1), offs=offsets)
         ctx.save_for_backward(h, probs, fc2, offsets)
-        ctx.activation = activation
+        ctx.activation, ctx.act_params = activation, act_params
         return out
 
     @staticmethod
@@ -439,18 +458,20 @@ class GroupedActivationFc2Function(torch.autograd.Function):
         h, probs, fc2, offsets = ctx.saved_tensors
         need_h, need_p, need_w = ctx.needs_input_grad[:3]
         p = probs.unsqueeze(-1)
-        a, cache = activation_with_cache(ctx.activation, h)
+        a, cache = activation_with_cache(ctx.activation, h, **ctx.act_params)
         grad_out = grad_out.contiguous()
         grad_fc2 = None
         if need_w:
             grad_fc2 = F.grouped_mm(grad_out.t(), (a * p).to(h.dtype), offs=offsets)
         dz = F.grouped_mm(grad_out, fc2, offs=offsets).to(torch.promote_types(a.dtype, probs.dtype))
         grad_p = (dz * a).sum(-1).to(probs.dtype) if need_p else None
-        grad_h = activation_backward(ctx.activation, h, (dz * p).to(h.dtype), cache) if need_h else None
-        return grad_h, grad_p, grad_fc2, None, None
+        grad_h = activation_backward(ctx.activation, h, (dz * p).to(h.dtype), cache, **ctx.act_params) if need_h else None
+        return grad_h, grad_p, grad_fc2, None, None, None
 
 
-def grouped_activation_fc2(h: Tensor, probs: Tensor, fc2: Tensor, offsets: Tensor, activation: str) -> Tensor:
+def grouped_activation_fc2(
+    h: Tensor, probs: Tensor, fc2: Tensor, offsets: Tensor, activation: str, activation_params: dict | None = None
+) -> Tensor:
     """fc2 of the ``grouped_mm`` experts with the activation recomputed in backward.
 
     Args:
@@ -459,8 +480,9 @@ def grouped_activation_fc2(h: Tensor, probs: Tensor, fc2: Tensor, offsets: Tenso
         fc2: ``[E, H, F]``.
         offsets: int32 ``[E]`` cumulative rows per expert (``grouped_mm``'s ``offs``).
         activation: activation name.
+        activation_params: its keyword parameters (``clamped_swiglu``'s ``alpha`` and ``limit``).
 
     Returns:
         ``[N, H]`` = ``grouped_mm((act(h) * p).to(h.dtype), fc2^T)``.
     """
-    return GroupedActivationFc2Function.apply(h, probs, fc2, offsets, activation)
+    return GroupedActivationFc2Function.apply(h, probs, fc2, offsets, activation, dict(activation_params or {}))

@@ -4,7 +4,10 @@ Weights are stored in ``nn.Linear``'s (out, in) convention with one leading expe
 
 * ``fc1_weight`` ``[E, 2F, H]`` for gated activations (the F gate rows, then the F up rows, one
   GEMM for both) or ``[E, F, H]``;
-* ``fc2_weight`` ``[E, H, F]``; optional ``fc2_bias`` ``[E, H]`` (scaled by the routing prob).
+* ``fc2_weight`` ``[E, H, F]``; optional ``fc2_bias`` ``[E, H]`` (scaled by the routing prob);
+* optional ``fc1_bias``, added to the fc1 output before the activation: ``[E, 2, F]`` for gated
+  activations (the gate bias, then the up bias: the checkpoint layout of fc1 itself, so an
+  expert-tensor-parallel rank's block is a plain shard of dimension 2) or ``[E, F]``.
 
 The state dict is the public format (docs/architecture.md §6): the same tensors, except that a
 gated fc1 is presented as ``[E, 2, F, H]`` (gate, up), a view of the stored one, so that an
@@ -178,10 +181,14 @@ class GroupedExperts(nn.Module):
         kernel: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        fc1_bias: bool = False,
+        activation_params: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"Unknown expert kernel {kernel!r}; choose one of {list(KERNELS)}.")
+        activation_params = dict(activation_params or {})
+        activation_fn(activation, **activation_params)  # unknown names or parameters raise here
         self.num_experts = num_experts
         """Experts held here (local experts under expert parallelism)."""
         self.expert_offset = 0
@@ -194,6 +201,8 @@ class GroupedExperts(nn.Module):
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
+        self.activation_params = activation_params
+        """Keyword parameters of the activation (``alpha`` and ``limit`` of ``clamped_swiglu``)."""
         self.kernel = kernel
         self.recompute_activation: bool | None = None
         """Recompute the activation output in backward instead of keeping it (Megatron's ``moe_act``
@@ -216,6 +225,8 @@ class GroupedExperts(nn.Module):
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, fc1_rows, hidden_size, **factory))
         self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, **factory))
         self.fc2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, **factory)) if fc2_bias else None
+        fc1_bias_shape = (num_experts, 2, ffn_hidden_size) if is_gated(activation) else (num_experts, ffn_hidden_size)
+        self.fc1_bias = nn.Parameter(torch.empty(fc1_bias_shape, **factory)) if fc1_bias else None
         self.register_state_dict_post_hook(present_checkpoint_layout)
         self.register_load_state_dict_pre_hook(accept_checkpoint_layout)
 
@@ -232,6 +243,11 @@ class GroupedExperts(nn.Module):
         }
         if self.fc2_bias is not None:
             tensors["fc2_bias"] = (None, False, 1)
+        if self.fc1_bias is not None:
+            # [E, 2, F] (gated) or [E, F]: ETP cuts F, a plain shard; it has no H, so sharded data
+            # parallelism splits F too.
+            f_dim = self.fc1_bias.dim() - 1
+            tensors["fc1_bias"] = (f_dim, False, f_dim)
         return tensors
 
     def place_weight_grad(self, param: Tensor, memory: Tensor | None) -> bool:
@@ -275,7 +291,8 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "
-            f"activation={self.activation}, kernel={self.kernel}"
+            f"activation={self.activation}, kernel={self.kernel}, fc1_bias={self.fc1_bias is not None}, "
+            f"fc2_bias={self.fc2_bias is not None}"
         )
 
     @torch.no_grad()
@@ -313,6 +330,8 @@ class GroupedExperts(nn.Module):
             del fc2
         if self.fc2_bias is not None:
             self.fc2_bias.zero_()
+        if self.fc1_bias is not None:
+            self.fc1_bias.zero_()
 
     def _recomputes(self, device: torch.device) -> bool:
         if self.recompute_activation is None:
@@ -398,6 +417,7 @@ class GroupedExperts(nn.Module):
             return expert_mlp(
                 tokens, fc1, fc2, probs, host_counts(tokens_per_expert),
                 activation=self.activation, fc2_bias=self.fc2_bias, row_index=row_index,
+                fc1_bias=self.flat_fc1_bias(), activation_params=self.activation_params,
                 num_out_rows=num_out_rows, save_activation=not self._recomputes(device),
                 grad_workspace=self.grad_workspace, compute_dtype=cdt, row_index_is_permutation=permutation,
             )
@@ -414,6 +434,15 @@ class GroupedExperts(nn.Module):
             out = scatter_rows(out, row_index, num_out_rows, permutation, dtype=accumulation_dtype(cdt))
             return out.to(tokens.dtype)
 
+    def flat_fc1_bias(self) -> Tensor | None:
+        """``fc1_bias`` as ``[E, F1]`` rows matching fc1's stored rows (``[gate ; up]``): a view."""
+        return None if self.fc1_bias is None else self.fc1_bias.flatten(1)
+
+    def row_experts(self, offsets: Tensor, num_rows: int) -> Tensor:
+        """The local expert of every expert-major row, from the device offsets (no host counts)."""
+        positions = torch.arange(num_rows, device=offsets.device, dtype=offsets.dtype)
+        return torch.searchsorted(offsets, positions, right=True)
+
     def _grouped_mm(
         self, rows: Tensor, tokens_per_expert: Sequence[int] | Tensor, probs: Tensor, fc1: Tensor, fc2: Tensor
     ) -> Tensor:
@@ -427,17 +456,19 @@ class GroupedExperts(nn.Module):
         if tag is not None:
             tag(None, (offsets,))
         p = probs.unsqueeze(-1)
-        h = F.grouped_mm(rows, fc1.transpose(-2, -1), offs=offsets)
-        if self._recomputes(rows.device):
-            out = grouped_activation_fc2(h, probs, fc2, offsets, self.activation)
-        else:
-            z = (activation_fn(self.activation)(h) * p).to(rows.dtype)
-            out = F.grouped_mm(z, fc2.transpose(-2, -1), offs=offsets)
-        if self.fc2_bias is not None:
-            # The expert of every row from the device offsets (no host counts needed).
-            positions = torch.arange(rows.shape[0], device=rows.device, dtype=offsets.dtype)
-            expert_of_row = torch.searchsorted(offsets, positions, right=True)
+        expert_of_row = None
+        if self.fc1_bias is not None or self.fc2_bias is not None:
+            expert_of_row = self.row_experts(offsets, rows.shape[0])
             if tag is not None:
                 tag(None, (expert_of_row,))
+        h = F.grouped_mm(rows, fc1.transpose(-2, -1), offs=offsets)
+        if self.fc1_bias is not None:
+            h = h + self.flat_fc1_bias()[expert_of_row].to(h.dtype)
+        if self._recomputes(rows.device):
+            out = grouped_activation_fc2(h, probs, fc2, offsets, self.activation, self.activation_params)
+        else:
+            z = (activation_fn(self.activation, **self.activation_params)(h) * p).to(rows.dtype)
+            out = F.grouped_mm(z, fc2.transpose(-2, -1), offs=offsets)
+        if self.fc2_bias is not None:
             out = out + (p * self.fc2_bias[expert_of_row]).to(out.dtype)
         return out

@@ -48,7 +48,8 @@ class MoELayer(nn.Module):
     ``router.expert_bias`` ``[E]`` (with expert bias), ``experts.fc1_weight`` ``[E, 2, F, H]``
     for gated activations (index 0 the gate rows, 1 the up rows; older checkpoints' ``[E, 2F, H]``
     loads too) or ``[E, F, H]``, ``experts.fc2_weight``
-    ``[E, H, F]``, optional ``experts.fc2_bias`` ``[E, H]``, ``shared_expert.fc1.weight``,
+    ``[E, H, F]``, optional ``experts.fc2_bias`` ``[E, H]``, ``experts.fc1_bias`` ``[E, 2, F]`` (gated;
+    else ``[E, F]``) and ``router.bias`` ``[E]``, ``shared_expert.fc1.weight``,
     ``shared_expert.fc2.weight`` and ``shared_expert.gate.weight``.
 
     Initialisation draws one seed from the global RNG when the layer is built; every expert's
@@ -72,12 +73,13 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.ffn_hidden_size, config.activation,
             fc2_bias=config.fc2_bias, kernel=expert_kernel, device=device, dtype=dtype,
+            fc1_bias=config.fc1_bias, activation_params=config.activation_params,
         )
         self.shared_expert = None
         if config.shared_expert_ffn_hidden_size:
             self.shared_expert = SharedExpertMLP(
                 config.hidden_size, config.shared_expert_ffn_hidden_size, config.activation,
-                gate=config.shared_expert_gate,
+                gate=config.shared_expert_gate, activation_params=config.activation_params,
             )
         self.dispatcher: TokenDispatcher = LocalDispatcher(config)
         """Moves routed tokens to the experts and back; ``lightning_moe.parallel`` swaps it."""

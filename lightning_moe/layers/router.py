@@ -102,7 +102,8 @@ class RouterReduction:
 class TopKRouter(nn.Module):
     """Top-k router with Megatron Core numerics (``megatron/core/transformer/moe/router.py``).
 
-    State dict: ``weight`` ``[E, H]`` (``nn.Linear`` convention) and, with ``config.expert_bias``,
+    State dict: ``weight`` ``[E, H]`` (``nn.Linear`` convention), with ``config.router_bias`` the
+    logits' ``bias`` ``[E]``, and, with ``config.expert_bias``,
     the fp32 buffer ``expert_bias`` ``[E]``. Non-persistent buffers, read and reset by their
     consumers: ``local_tokens_per_expert`` (int64 ``[E]``, assignments of valid tokens per expert
     chosen by top-k and kept by the capacity limit since the last reset; unlike upstream, filler
@@ -129,6 +130,8 @@ class TopKRouter(nn.Module):
         self.config = config
         num_experts = config.num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, config.hidden_size, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32)) if config.router_bias else None
+        """With ``config.router_bias``: ``[E]`` added to the logits (GPT-OSS), else None."""
         bias = torch.zeros(num_experts, dtype=torch.float32) if config.expert_bias else None
         self.register_buffer("expert_bias", bias, persistent=True)
         int_zeros = torch.zeros(num_experts, dtype=torch.int64)
@@ -155,7 +158,7 @@ class TopKRouter(nn.Module):
 
         The values are drawn in fp32 on the generator's device and copied into the weight, so
         they do not depend on the weight's device or dtype (the MoE layer passes a generator
-        seeded per layer for identical weights at every parallel layout). The expert bias and
+        seeded per layer for identical weights at every parallel layout). The router bias, the expert bias and
         all statistics buffers are zeroed too, so a router built on the meta device and
         materialised with ``to_empty`` is fully initialised by this call.
         """
@@ -164,6 +167,8 @@ class TopKRouter(nn.Module):
         values.normal_(0.0, self.config.init_std, generator=generator)
         with torch.no_grad():
             write_full(self.weight, values)
+            if self.bias is not None:
+                self.bias.zero_()
             for buffer in self.buffers(recurse=False):
                 buffer.zero_()
 
@@ -287,7 +292,8 @@ class TopKRouter(nn.Module):
             hidden = apply_input_jitter(hidden, config.input_jitter_eps)
         router_dtype = _ROUTER_DTYPES[config.router_dtype] or hidden.dtype
         # Upcast both operands so the logits are computed, not just stored, in the router dtype.
-        logits = F.linear(hidden.to(router_dtype), self.weight.to(router_dtype))
+        bias = None if self.bias is None else self.bias.to(router_dtype)
+        logits = F.linear(hidden.to(router_dtype), self.weight.to(router_dtype), bias)
         if config.force_load_balancing:
             logits = random_logits_straight_through(logits)
         if record and config.z_loss_coeff is not None:

@@ -35,6 +35,8 @@ class SharedExpertMLP(nn.Module):
         activation: name from :data:`lightning_moe.layers.activations.ACTIVATIONS`; a gated one
             (``swiglu``) makes fc1 produce ``2 * Fs`` features laid out ``[gate ; up]``.
         gate: scale the output by a learned per-token sigmoid gate ``sigmoid(x @ gate.weight^T)``.
+        activation_params: keyword parameters of the activation (``clamped_swiglu``'s ``alpha`` and
+            ``limit``; :data:`lightning_moe.layers.activations.ACTIVATION_PARAMS`).
 
     Parameters are created with ``nn.Linear``'s default initialisation; the MoE layer calls
     :meth:`reset_parameters` with its own generator for the deterministic scheme of
@@ -42,7 +44,8 @@ class SharedExpertMLP(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", gate: bool = False
+        self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", gate: bool = False,
+        activation_params: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         if hidden_size < 1 or ffn_hidden_size < 1:
@@ -51,7 +54,7 @@ class SharedExpertMLP(nn.Module):
                 f"hidden_size={hidden_size}, ffn_hidden_size={ffn_hidden_size}."
             )
         # Looked up first so an unknown name fails with the activation module's message.
-        self.activation_fn = activation_fn(activation)
+        self.activation_fn = activation_fn(activation, **(activation_params or {}))
         self.activation = activation
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size

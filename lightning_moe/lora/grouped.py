@@ -248,15 +248,18 @@ class LoRAGroupedExperts(GroupedExperts):
             if tag is not None:
                 tag(None, (offsets,))
             s, group = self.lora_scale, self.partial_grad_group
+            expert_of_row = None
+            if self.fc1_bias is not None or self.fc2_bias is not None:
+                expert_of_row = self.row_experts(offsets, rows.shape[0])
             h = _grouped(rows, fc1, offsets)
             h = h + grouped_lora(self._adapter_input(rows), sum_grad(self.fc1_lora_A, group), self.fc1_lora_B, offsets, s)
+            if self.fc1_bias is not None:
+                h = h + self.flat_fc1_bias()[expert_of_row].to(h.dtype)
             p = probs.unsqueeze(-1)
-            z = (activation_fn(self.activation)(h) * p).to(cdt)
+            z = (activation_fn(self.activation, **self.activation_params)(h) * p).to(cdt)
             out = _grouped(z, fc2, offsets)
             out = out + grouped_lora(self._adapter_input(z), self.fc2_lora_A, sum_grad(self.fc2_lora_B, group), offsets, s)
             if self.fc2_bias is not None:
-                positions = torch.arange(rows.shape[0], device=device, dtype=offsets.dtype)
-                expert_of_row = torch.searchsorted(offsets, positions, right=True)
                 out = out + (p * self.fc2_bias[expert_of_row]).to(out.dtype)
             if row_index is None:
                 return out.to(tokens.dtype)

@@ -245,12 +245,14 @@ class MoETransformerConfig:
         moe, hidden = self.moe, self.hidden_size
         fc1_factor = 2 if is_gated(moe.activation) else 1
         per_expert = (fc1_factor + 1) * moe.ffn_hidden_size * hidden + (hidden if moe.fc2_bias else 0)
+        per_expert += fc1_factor * moe.ffn_hidden_size if moe.fc1_bias else 0
         experts = moe.top_k if active else moe.num_experts
         shared = 0
         if moe.shared_expert_ffn_hidden_size:
             shared = (fc1_factor + 1) * moe.shared_expert_ffn_hidden_size * hidden
             shared += hidden if moe.shared_expert_gate else 0
-        return moe.num_experts * hidden + experts * per_expert + shared  # router + experts + shared
+        router = moe.num_experts * (hidden + (1 if moe.router_bias else 0))
+        return router + experts * per_expert + shared  # router + experts + shared
 
     # ----------------------------------------------------------------------------- validation
 

@@ -207,14 +207,16 @@ class Float8GroupedExperts(GroupedExperts):
         counts = list(tokens_per_expert)
         rows = tokens if row_index is None else tokens.index_select(0, row_index)
         p = probs.unsqueeze(-1)
+        expert_of_row = None
+        if self.fc1_bias is not None or self.fc2_bias is not None:
+            expert_of_row = self.row_experts(group_offsets(counts, rows.device), rows.shape[0])
         h = float8_grouped_linear(rows, self.fc1_weight, counts, self.fp8_recipe, self.fp8_impl)
-        z = (activation_fn(self.activation)(h) * p).to(rows.dtype)
+        if self.fc1_bias is not None:
+            # The bias stays in high precision, added to the dequantised GEMM output.
+            h = h + self.flat_fc1_bias()[expert_of_row].to(h.dtype)
+        z = (activation_fn(self.activation, **self.activation_params)(h) * p).to(rows.dtype)
         out = float8_grouped_linear(z, self.fc2_weight, counts, self.fp8_recipe, self.fp8_impl)
         if self.fc2_bias is not None:
-            expert_of_row = torch.searchsorted(
-                group_offsets(counts, rows.device), torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32),
-                right=True,
-            )
             out = out + (p * self.fc2_bias[expert_of_row]).to(out.dtype)
         if row_index is None:
             return out

@@ -39,6 +39,10 @@ def reference_activation(name: str, h: Tensor) -> Tensor:
     if name == "swiglu":
         gate, up = h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :]
         return gate * torch.sigmoid(gate) * up
+    if name == "clamped_swiglu":  # GPT-OSS's, with its alpha 1.702 and limit 7.0
+        gate, up = h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :]
+        gate, up = torch.clamp(gate, max=7.0), torch.clamp(up, min=-7.0, max=7.0)
+        return gate * torch.sigmoid(1.702 * gate) * (up + 1)
     if name == "gelu":
         return 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
     if name == "relu":

@@ -24,6 +24,9 @@ def _reference_forward(module: SharedExpertMLP, x: torch.Tensor) -> torch.Tensor
     if module.activation == "swiglu":
         w_gate, w_up = w1[:FFN], w1[FFN:]  # public layout: gate rows first, then up rows
         hidden = F.silu(x @ w_gate.T) * (x @ w_up.T)
+    elif module.activation == "clamped_swiglu":  # GPT-OSS's, alpha 1.702 and limit 7.0
+        gate = (x @ w1[:FFN].T).clamp(max=7.0)
+        hidden = gate * torch.sigmoid(1.702 * gate) * ((x @ w1[FFN:].T).clamp(-7.0, 7.0) + 1)
     elif module.activation == "gelu":
         hidden = F.gelu(x @ w1.T)
     elif module.activation == "relu":

@@ -312,7 +312,7 @@ _DROP = object()
     ("changes", "message"),
     [
         ({"model_type": "llama"},
-         r"model_type 'llama' is not supported.*deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe"),
+         r"model_type 'llama' is not supported.*deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported for Mixtral"),
         ({"sliding_window": 16}, r"sliding_window=16 .* not supported"),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}},

@@ -293,9 +293,19 @@ def test_dense_model_without_moe():
         },
         {"attention_bias": True, "partial_rotary_factor": 0.5},
         {"attention_bias": True, "num_kv_heads": None, "qk_norm": "full"},
+        {
+            "moe": MoEConfig(
+                hidden_size=HIDDEN, ffn_hidden_size=24, num_experts=8, top_k=2, activation="clamped_swiglu",
+                fc1_bias=True, fc2_bias=True, router_bias=True,
+            ),
+        },
+        {
+            "moe": MoEConfig(hidden_size=HIDDEN, ffn_hidden_size=24, num_experts=8, top_k=2, activation="relu",
+                             fc1_bias=True),
+        },
     ],
     ids=["default", "mha-head-dim", "tied-first-dense", "gelu-bias-shared", "qkv-bias-partial-rotary",
-         "qkv-bias-full-norm"],
+         "qkv-bias-full-norm", "gpt-oss-experts", "relu-fc1-bias"],
 )
 def test_num_parameters_matches_the_module(overrides):
     config = tiny_config(**overrides)

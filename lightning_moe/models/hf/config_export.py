@@ -29,12 +29,15 @@ PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def infer_family(config: MoETransformerConfig) -> str:
     """The family ``config`` is written as when none is named: the first registered whole-model family
     whose attention matches ``config`` (same type and, for multi-head attention, a q/k norm it can
-    apply) and which holds all of ``config`` (:func:`config_to_hf` finds no problem); when none holds
-    it all, the first whose attention matches (:func:`config_to_hf` then says what it cannot hold)."""
+    apply) and whose experts use ``config``'s activation where the family has its own (GPT-OSS's
+    clamped SwiGLU), and which holds all of ``config`` (:func:`config_to_hf` finds no problem);
+    when none holds it all, the first that matches (:func:`config_to_hf` then says what it cannot hold)."""
+    activation = config.moe.activation if config.moe is not None else None
     matching = [
         spec for spec in FAMILIES.values()
         if spec.whole_model and spec.attention == config.attention
         and (spec.attention == "mla" or spec.computes_qk_norm(config.qk_norm_mode))
+        and (spec.expert_activation == "swiglu" or activation == spec.expert_activation)
     ]
     for spec in matching:
         if not _problems(config, spec):
@@ -60,10 +63,12 @@ def _check_common(config: MoETransformerConfig, spec: Family) -> list[str]:
     problems = []
     if moe is None:
         return [f"a dense model (moe=None) has no {name} form"]
-    if moe.activation != "swiglu":
-        problems.append(f"experts use activation={moe.activation!r}, {name} uses SwiGLU (silu)")
-    if moe.fc2_bias:
-        problems.append(f"fc2_bias=True: {name} experts have no bias")
+    if moe.activation != spec.expert_activation:
+        problems.append(f"experts use activation={moe.activation!r}, {name} uses {spec.expert_activation!r}")
+    if not spec.expert_biases:
+        for bias in ("fc1_bias", "fc2_bias", "router_bias"):
+            if getattr(moe, bias):
+                problems.append(f"{bias}=True: {name} {'router' if bias == 'router_bias' else 'experts'} have no bias")
     if moe.shared_expert_gate and not spec.shared_expert_gate:
         problems.append(f"shared_expert_gate=True: {name} has no shared-expert gate")
     if config.attention != spec.attention:

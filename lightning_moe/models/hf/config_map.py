@@ -3,8 +3,8 @@
 Each family is mapped exactly as ``transformers`` 5.x builds it (its modeling files are the
 reference; ``tests/models/test_hf_families.py`` compares the logits): anything this model
 cannot reproduce (a binding sliding window, attention biases or partial rotary where the family's
-code has none, q/k/v clipping, rope types other than default and YaRN, quantised weights, another
-activation...) is refused with an error that names the field, never silently approximated. Keys a published ``config.json`` may omit take the
+code has none, q/k/v clipping, rope types other than default and YaRN, quantised weights other
+than MXFP4, another activation...) is refused with an error that names the field, never silently approximated. Keys a published ``config.json`` may omit take the
 defaults of ``transformers``' config classes. The reverse direction is :mod:`.config_export`.
 
 This module holds what every family shares (the common keys, rope, the common refusals); each
@@ -101,11 +101,16 @@ def partial_rotary_from_hf(fields: Fields) -> float:
     return factor
 
 
+def _dequantised_on_load(quantization: Any) -> bool:
+    """MXFP4 (GPT-OSS's experts, ``name_blocks`` + ``name_scales``) is dequantised when the weights are read."""
+    return isinstance(quantization, Mapping) and quantization.get("quant_method") == "mxfp4"
+
+
 def _refuse_unsupported_moe(fields: Fields) -> None:
     """Refuse what the MoE block of ``fields`` does that a `MoELayer` cannot reproduce exactly."""
     raw = fields.raw
     for key in _REFUSED_IF_SET:
-        if raw.get(key):
+        if raw.get(key) and not _dequantised_on_load(raw[key]):
             raise ValueError(
                 f"{key} {raw[key]} is set: quantised checkpoints are not supported; dequantize the weights "
                 "(e.g. DeepSeek's fp8_cast_bf16.py) and drop quantization_config first."

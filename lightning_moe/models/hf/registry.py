@@ -85,6 +85,12 @@ class Family:
             ``transformers.models.{name}.modeling_{name}``; None: no block swap.
         block_weights: where the block's tensors lie beyond the router and routed experts every
             family shares (:mod:`lightning_moe.models.hf.swap.families`).
+        moe_sources: ``(layer's MoE prefix, config) -> {our key under ffn.: Source}`` for a family
+            whose MoE block is not laid out as the shared mapping of :mod:`.weights` expects
+            (GPT-OSS); written back by inverting the sources. None: the shared mapping.
+        expert_activation: the activation of the family's experts (``MoEConfig.activation``).
+        expert_biases: whether the family's router and experts have biases (``router_bias``,
+            ``fc1_bias``, ``fc2_bias``); exporting them to a family without is refused.
     """
 
     name: str
@@ -112,6 +118,9 @@ class Family:
     model_type_aliases: tuple[str, ...] = ()
     block_class: str | None = None
     block_weights: Mapping[str, Source] = field(default_factory=dict)
+    moe_sources: Callable[[str, MoETransformerConfig], dict[str, Source]] | None = None
+    expert_activation: str = "swiglu"
+    expert_biases: bool = False
 
     @property
     def whole_model(self) -> bool:

@@ -15,6 +15,12 @@ either layout (an older ``[E, 2F, H]`` export included). The router is
 ``shared_expert_gate``) lies where the family's ``block_weights`` say, under the block's prefix.
 Attention biases (``attention_bias``) keep their names: ``self_attn.{q,k,v}_proj.bias``.
 Every tensor keeps its dtype; stacking and splitting copy values bit for bit.
+
+A family whose MoE block is laid out otherwise (GPT-OSS: ``mlp.router``, ``gate_up_proj`` ``[E, H, 2F]``
+with gate and up interleaved by column, expert biases) gives its own sources
+(``Family.moe_sources``), written back by inverting them (:func:`split_source`). A tensor stored as
+MXFP4 (``name_blocks`` + ``name_scales``, :mod:`lightning_moe.models.hf.mxfp4`) is read as ``name``,
+dequantised.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ import torch
 from torch import Tensor
 
 from lightning_moe.layers.activations import is_gated
-from lightning_moe.layers.expert_state import fc1_checkpoint_view
+from lightning_moe.layers.expert_state import fc1_checkpoint_view, fc1_from_checkpoint
 from lightning_moe.models.config import MoETransformerConfig
+from lightning_moe.models.hf.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, dequantize_mxfp4
 from lightning_moe.models.hf.registry import family as _family
 
 __all__ = [
-    "Source", "check_leftovers", "hf_defaults", "hf_pieces", "hf_sources", "hf_state_dict", "hf_tensors", "read_source",
-    "shared_mlp_sources", "source_names",
+    "Source", "check_leftovers", "deinterleave", "hf_defaults", "hf_pieces", "hf_sources", "hf_state_dict", "hf_tensors",
+    "interleave", "read_source", "shared_mlp_sources", "source_names", "split_source",
 ]
 
 # Our attention parameter -> Hugging Face's (MHA names are the same; MLA as in DeepseekV3Attention).
@@ -110,21 +117,14 @@ def _prefixed(source: Source, prefix: str, rename: Callable[[str], str] = str) -
     return ("stack", [_prefixed(part, prefix, rename) for part in source[1]])
 
 
-def _split(source: Source, value: Tensor) -> dict[str, Tensor]:
-    """The checkpoint tensors ``source`` reads, as views of ``value`` (the inverse of :func:`read_source`
-    for equal-sized parts: a shared expert's gate and up rows)."""
-    if isinstance(source, str):
-        return {source: value}
-    if source[0] == "cat":
-        parts = value.chunk(len(source[2]), dim=source[1])
-        return {name: piece for part, chunk in zip(source[2], parts) for name, piece in _split(part, chunk).items()}
-    return {name: piece for part, item in zip(source[1], value) for name, piece in _split(part, item).items()}
-
-
 Source = str | tuple
 """Where one of our tensors lies in a Hugging Face checkpoint: a tensor name (same shape), or
 ``("cat", dim, [sources])`` (the sources concatenated along ``dim``), or ``("stack", [sources])``
-(one source per index of a new dimension 0: the per-expert tensors)."""
+(one source per index of a new dimension 0: the per-expert tensors), or
+``("transpose", d0, d1, source)`` (two dimensions swapped), ``("deinterleave", dim, source)``
+(positions 0, 2, 4, ... of ``dim`` then 1, 3, 5, ...: interleaved gate/up columns as ``[gate ; up]``),
+``("halves", dim, source)`` (``dim`` of size 2n split into a new ``dim`` of 2 and n after it), or
+``("mxfp4", blocks name, scales name)`` (dequantised, :func:`~lightning_moe.models.hf.mxfp4.dequantize_mxfp4`)."""
 
 
 def shared_mlp_sources(prefix: str) -> dict[str, Source]:
@@ -136,12 +136,79 @@ def shared_mlp_sources(prefix: str) -> dict[str, Source]:
     }
 
 
+def _parts(source: tuple) -> list[Source]:
+    """The sources a composite ``source`` is made of."""
+    kind = source[0]
+    if kind == "cat":
+        return list(source[2])
+    if kind == "stack":
+        return list(source[1])
+    if kind == "transpose":
+        return [source[3]]
+    if kind in ("deinterleave", "halves"):
+        return [source[2]]
+    raise ValueError(f"Unknown weight source {source!r}.")
+
+
 def source_names(source: Source) -> list[str]:
     """Every checkpoint tensor name ``source`` reads."""
     if isinstance(source, str):
         return [source]
-    parts = source[2] if source[0] == "cat" else source[1]
-    return [name for part in parts for name in source_names(part)]
+    if source[0] == "mxfp4":
+        return [source[1], source[2]]
+    return [name for part in _parts(source) for name in source_names(part)]
+
+
+def _packed(source: Source, available: set[str]) -> Source:
+    """``source`` with each name the checkpoint holds only as MXFP4 (``name_blocks`` + ``name_scales``)
+    read through ``("mxfp4", ...)``."""
+    if isinstance(source, str):
+        blocks, scales = source + BLOCKS_SUFFIX, source + SCALES_SUFFIX
+        if source not in available and blocks in available and scales in available:
+            return ("mxfp4", blocks, scales)
+        return source
+    kind = source[0]
+    if kind == "cat":
+        return ("cat", source[1], [_packed(part, available) for part in source[2]])
+    if kind == "stack":
+        return ("stack", [_packed(part, available) for part in source[1]])
+    if kind == "transpose":
+        return ("transpose", source[1], source[2], _packed(source[3], available))
+    if kind in ("deinterleave", "halves"):
+        return (kind, source[1], _packed(source[2], available))
+    return source
+
+
+def deinterleave(value: Tensor, dim: int) -> Tensor:
+    """Positions 0, 2, 4, ... of ``dim`` followed by 1, 3, 5, ...: interleaved gate/up as ``[gate ; up]``."""
+    pairs = value.unflatten(dim, (-1, 2))
+    return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim=dim)
+
+
+def interleave(value: Tensor, dim: int) -> Tensor:
+    """The inverse of :func:`deinterleave`: ``[gate ; up]`` along ``dim`` as gate, up, gate, up, ..."""
+    gate, up = value.chunk(2, dim=dim)
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def split_source(source: Source, value: Tensor) -> dict[str, Tensor]:
+    """The checkpoint tensors that ``source`` reads, from our tensor ``value`` (the inverse of
+    :func:`read_source`; an MXFP4 source cannot be written back: name the dequantised tensor)."""
+    if isinstance(source, str):
+        return {source: value}
+    kind = source[0]
+    if kind == "cat":
+        pieces = value.chunk(len(source[2]), dim=source[1])  # equal parts, as every "cat" source here
+        return {k: v for part, piece in zip(source[2], pieces) for k, v in split_source(part, piece).items()}
+    if kind == "stack":
+        return {k: v for part, piece in zip(source[1], value.unbind(0)) for k, v in split_source(part, piece).items()}
+    if kind == "transpose":
+        return split_source(source[3], value.transpose(source[1], source[2]))
+    if kind == "deinterleave":
+        return split_source(source[2], interleave(value, source[1]))
+    if kind == "halves":
+        return split_source(source[2], value.flatten(source[1], source[1] + 1))
+    raise ValueError(f"Cannot write the weight source {source!r}: write the dequantised tensor instead.")
 
 
 def hf_sources(
@@ -161,8 +228,13 @@ def hf_sources(
         return alias if name not in available and alias in available else name
 
     sources: dict[str, Source] = {}
+    moe_sources = _family(family).moe_sources
     for key in expected:
         match = _LAYER_KEY.fullmatch(key)
+        own = _own_source(moe_sources, match, config, family)
+        if own is not None:
+            sources[key] = _packed(own, available)
+            continue
         block = _block_source(match.group(2), family) if match else None
         if block is not None:
             sources[key] = _prefixed(block, f"model.layers.{match.group(1)}.{_moe_prefix(family)}.", name_of)
@@ -189,13 +261,32 @@ def hf_sources(
     return sources
 
 
+def _own_source(moe_sources, match, config: MoETransformerConfig, family: str) -> Source | None:
+    """The family's own source of a layer's MoE tensor (``Family.moe_sources``), None if it has none."""
+    if moe_sources is None or match is None or not match.group(2).startswith("ffn."):
+        return None
+    layer = f"model.layers.{match.group(1)}.{_moe_prefix(family)}"
+    return moe_sources(layer, config).get(match.group(2).removeprefix("ffn."))
+
+
 def read_source(source: Source, get: Callable[[str], Tensor]) -> Tensor:
     """The whole tensor ``source`` describes, read by ``get(name)``."""
     if isinstance(source, str):
         return get(source)
-    if source[0] == "cat":
+    kind = source[0]
+    if kind == "cat":
         return torch.cat([read_source(part, get) for part in source[2]], dim=source[1])
-    return torch.stack([read_source(part, get) for part in source[1]])
+    if kind == "stack":
+        return torch.stack([read_source(part, get) for part in source[1]])
+    if kind == "transpose":
+        return read_source(source[3], get).transpose(source[1], source[2])
+    if kind == "deinterleave":
+        return deinterleave(read_source(source[2], get), source[1])
+    if kind == "halves":
+        return read_source(source[2], get).unflatten(source[1], (2, -1))
+    if kind == "mxfp4":
+        return dequantize_mxfp4(get(source[1]), get(source[2]))
+    raise ValueError(f"Unknown weight source {source!r}.")
 
 
 def check_leftovers(
@@ -267,9 +358,14 @@ def hf_pieces(key: str, value: Tensor, config: MoETransformerConfig, family: str
     if key == "lm_head.weight" and config.tie_embeddings:
         return {}
     match = _LAYER_KEY.fullmatch(key)
+    own = _own_source(_family(family).moe_sources, match, config, family)
+    if own is not None:
+        if key.endswith("ffn.experts.fc1_weight") and is_gated(config.moe.activation):
+            value = fc1_from_checkpoint(value)  # the stored [E, 2F, H] the source describes
+        return split_source(own, value)
     block = _block_source(match.group(2), family) if match else None
     if block is not None:
-        return _split(_prefixed(block, f"model.layers.{match.group(1)}.{_moe_prefix(family)}."), value)
+        return split_source(_prefixed(block, f"model.layers.{match.group(1)}.{_moe_prefix(family)}."), value)
     special = _special(match.group(2)) if match else None
     if special is None:
         return {_hf_name(key, config, family): value}

@@ -88,6 +88,7 @@ def expert_layer_problems(config: MoEConfig, dims: ParallelDims) -> list[str]:
             f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by the expert tensor parallel "
             f"size {dims.etp}; choose an ETP size that divides it."
         )
+    # fc1_bias needs no rule: ETP cuts it with fc1's columns (each rank adds its own block of it).
     if config.fc2_bias and dims.etp > 1:
         problems.append(
             "fc2_bias=True needs expert_tensor_parallel_size=1: every ETP shard would add the bias to "
