@@ -1,0 +1,126 @@
+"""Attention sinks and sliding windows through the log-sum-exp: the math the ring and one device share.
+
+An attention sink (GPT-OSS) is one learned logit ``s_h`` per query head that joins every softmax
+denominator of head ``h`` and is dropped after, as ``transformers``' ``eager_attention_forward`` of
+``gpt_oss`` does (softmax over ``[scores, s_h]``, sink column removed): a key with logit ``s_h`` and
+a zero value. From an attention output ``out`` and its per-row log-sum-exp ``lse`` over the real keys,
+the sink gives ``lse' = logaddexp(lse, s)`` and ``out' = out * exp(lse - lse') = out * sigmoid(lse - s)``;
+the flash-attention backward of the real keys, given ``out'`` and ``lse'``, is then exactly that of
+the softmax with the sink, and ``d s = -sum over rows of exp(s - lse') * (dout . out')``
+(:func:`add_sinks`, :func:`sinks_grad`). The context-parallel ring applies the sink once, to the
+merged log-sum-exp of all its blocks.
+
+A sliding window of ``W`` lets the query at position ``i`` see the keys ``j`` with
+``i - W < j <= i``, as ``transformers``' ``sliding_window_causal_mask_function`` (:func:`window_visible`).
+
+:func:`lse_attention` is one block of attention with an optional mask and sinks, by the block
+kernels of :mod:`lightning_moe.parallel.attention_blocks`, with its own backward: the single-device
+``CoreAttention`` uses it when sinks are set, and the all-gather exchange of context parallelism too.
+No collective here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_moe.parallel.attention_blocks import masked_kernel, select_block_kernel
+
+__all__ = ["add_sinks", "lse_attention", "sinks_grad", "window_visible"]
+
+
+def window_visible(q_positions: Tensor, k_positions: Tensor, window: int | None) -> Tensor:
+    """Bool ``[S_q, S_k]``: True where query ``i`` sees key ``j`` (``j <= i``, and ``i - window < j`` when set)."""
+    q_pos, k_pos = q_positions[:, None], k_positions[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible = visible & (k_pos > q_pos - window)
+    return visible
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out', lse')`` of attention ``out`` ``[B, H, S, Dv]`` (fp32) with ``lse`` ``[B, H, S]`` once the
+    per-head ``sinks`` ``[H]`` join the denominator (module docstring)."""
+    sink = sinks.float().view(1, -1, 1)
+    total = torch.logaddexp(lse, sink)
+    return out * torch.exp(lse - total).unsqueeze(-1), total
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """``d sinks`` ``[H]`` (the sinks' dtype) from the output gradient and the ``out'``/``lse'`` of :func:`add_sinks`."""
+    sink = sinks.float().view(1, -1, 1)
+    delta = (dout.float() * out.float()).sum(-1)  # [B, H, S]
+    return (-(torch.exp(sink - lse) * delta)).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def _repeat(x: Tensor, repeat: int) -> Tensor:
+    return x if repeat == 1 else x.repeat_interleave(repeat, dim=1)
+
+
+def _sum_repeats(grad: Tensor, repeat: int) -> Tensor:
+    return grad if repeat == 1 else grad.unflatten(1, (-1, repeat)).sum(2)
+
+
+class _LseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, scale, causal, mask, kernel_name):
+        repeat = q.shape[1] // k.shape[1]
+        kernel = masked_kernel(select_block_kernel(q, v, kernel_name), mask)
+        with torch.autocast(q.device.type, enabled=False):
+            k_all, v_all = _repeat(k, repeat), _repeat(v, repeat)
+            out, lse, saved = kernel.forward(q, k_all, v_all, causal, scale, mask)
+            out = out.float()
+            if sinks is not None:
+                out, lse = add_sinks(out, lse, sinks)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, sinks, result, lse, mask)
+        ctx.scale, ctx.causal, ctx.kernel, ctx.saved = scale, causal, kernel, saved
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, sinks, out, lse, mask = ctx.saved_tensors
+        repeat = q.shape[1] // k.shape[1]
+        grad = grad.contiguous()
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = ctx.kernel.backward(
+                grad, q, _repeat(k, repeat), _repeat(v, repeat), out, lse, ctx.saved, ctx.causal, ctx.scale, mask
+            )
+            dsinks = sinks_grad(grad, out, lse, sinks) if sinks is not None else None
+        dk, dv = _sum_repeats(dk.float(), repeat), _sum_repeats(dv.float(), repeat)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
+
+
+def lse_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool = True, mask: Tensor | None = None,
+    sinks: Tensor | None = None, kernel: str = "auto",
+) -> Tensor:
+    """Attention of ``q`` over ``k``/``v`` through a block kernel's log-sum-exp, with optional sinks.
+
+    Args:
+        q: ``[B, H, S_q, D]``; ``k`` ``[B, H_kv, S_k, D]``, ``v`` ``[B, H_kv, S_k, Dv]`` (``H`` a multiple
+            of ``H_kv``: grouped-query heads are repeated for the kernel, their gradients summed back).
+        scale: multiplies ``q @ k^T``.
+        causal: query ``i`` sees keys ``0..i`` (a square block); combined with ``mask`` by AND.
+        mask: bool ``[S_q, S_k]``, True where a query sees a key (e.g. :func:`window_visible`); every
+            row should see at least one key unless ``sinks`` are given (such a row's output is 0).
+        sinks: ``[H]`` logits joining each head's softmax denominator (module docstring); they get
+            gradients.
+        kernel: ``"auto"``, ``"math"``, ``"cpu_flash"`` or ``"cuda_flash"``
+            (:func:`~lightning_moe.parallel.attention_blocks.select_block_kernel`; a masked block runs
+            a kernel that takes masks).
+
+    Returns ``[B, H, S_q, Dv]`` in ``q``'s dtype.
+    """
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"attention needs the query heads ({q.shape[1]}) to be a multiple of the key/value heads "
+            f"(keys {k.shape[1]}, values {v.shape[1]})."
+        )
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(
+            f"sinks must hold one logit per query head, shape [{q.shape[1]}], got {tuple(sinks.shape)}."
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype:  # the fused kernels take one dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return _LseAttention.apply(q, k, v, sinks, scale, causal, mask, kernel)
