@@ -96,16 +96,14 @@ class CoreAttention(nn.Module):
         # At call time: the parallel package is only needed by models that use windows or sinks.
         from lightning_moe.parallel.lse_attention import lse_attention, window_visible
 
-        mask = None
-        if window is not None:
-            positions = torch.arange(seq, device=q.device)
-            mask = window_visible(positions, positions, window)
         if sinks is None:
+            positions = torch.arange(seq, device=q.device)
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+                q, k, v, attn_mask=window_visible(positions, positions, window), scale=self.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1],
             )
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
-        return lse_attention(q, k, v, scale, causal=mask is None, mask=mask, sinks=sinks)
+        return lse_attention(q, k, v, scale, sinks=sinks, window=window)
 
     def extra_repr(self) -> str:
         parts = [] if self.softmax_scale is None else [f"softmax_scale={self.softmax_scale:.6g}"]

@@ -141,7 +141,8 @@ def context_parallel_attention(
         k_cat, v_cat = k_cat.repeat_interleave(repeat, dim=1), v_cat.repeat_interleave(repeat, dim=1)
     # One attention over the whole sequence: the fused SDPA kernels (with a mask) where the device
     # has them. Every query sees at least itself, so no row is fully masked.
-    visible = window_visible(positions[rank], torch.cat(positions), window)
     if sinks is not None:  # through the kernel's log-sum-exp, which SDPA does not return
-        return lse_attention(q, k_cat, v_cat, scale, causal=False, mask=visible, sinks=sinks, kernel=block_kernel)
+        return lse_attention(q, k_cat, v_cat, scale, sinks=sinks, window=window, q_positions=positions[rank],
+                             k_positions=torch.cat(positions), kernel=block_kernel)
+    visible = window_visible(positions[rank], torch.cat(positions), window)
     return F.scaled_dot_product_attention(q, k_cat, v_cat, attn_mask=visible, scale=scale)

@@ -61,51 +61,64 @@ def _sum_repeats(grad: Tensor, repeat: int) -> Tensor:
     return grad if repeat == 1 else grad.unflatten(1, (-1, repeat)).sum(2)
 
 
+def _visible(q: Tensor, k: Tensor, window: int | None, q_positions: Tensor | None, k_positions: Tensor | None):
+    """``(causal, mask)`` for the kernel: a plain causal square, or the mask of the positions and window."""
+    if q_positions is None and (window is None or window >= q.shape[2]):
+        return True, None
+    if q_positions is None:
+        q_positions = torch.arange(q.shape[2], device=q.device)
+        k_positions = torch.arange(k.shape[2], device=q.device)
+    return False, window_visible(q_positions, k_positions, window)
+
+
 class _LseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, scale, causal, mask, kernel_name):
+    def forward(ctx, q, k, v, sinks, scale, window, q_positions, k_positions, kernel_name):
         repeat = q.shape[1] // k.shape[1]
+        causal, mask = _visible(q, k, window, q_positions, k_positions)
         kernel = masked_kernel(select_block_kernel(q, v, kernel_name), mask)
         with torch.autocast(q.device.type, enabled=False):
-            k_all, v_all = _repeat(k, repeat), _repeat(v, repeat)
-            out, lse, saved = kernel.forward(q, k_all, v_all, causal, scale, mask)
+            out, lse, saved = kernel.forward(q, _repeat(k, repeat), _repeat(v, repeat), causal, scale, mask)
             out = out.float()
             if sinks is not None:
                 out, lse = add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, sinks, result, lse, mask)
-        ctx.scale, ctx.causal, ctx.kernel, ctx.saved = scale, causal, kernel, saved
+        # The mask is rebuilt in backward from the positions: O(S) saved, not O(S^2).
+        ctx.save_for_backward(q, k, v, sinks, result, lse, q_positions, k_positions)
+        ctx.scale, ctx.window, ctx.kernel, ctx.saved = scale, window, kernel, saved
         return result
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, sinks, out, lse, mask = ctx.saved_tensors
+        q, k, v, sinks, out, lse, q_positions, k_positions = ctx.saved_tensors
         repeat = q.shape[1] // k.shape[1]
+        causal, mask = _visible(q, k, ctx.window, q_positions, k_positions)
         grad = grad.contiguous()
         with torch.autocast(q.device.type, enabled=False):
             dq, dk, dv = ctx.kernel.backward(
-                grad, q, _repeat(k, repeat), _repeat(v, repeat), out, lse, ctx.saved, ctx.causal, ctx.scale, mask
+                grad, q, _repeat(k, repeat), _repeat(v, repeat), out, lse, ctx.saved, causal, ctx.scale, mask
             )
             dsinks = sinks_grad(grad, out, lse, sinks) if sinks is not None else None
         dk, dv = _sum_repeats(dk.float(), repeat), _sum_repeats(dv.float(), repeat)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
 
 
 def lse_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool = True, mask: Tensor | None = None,
-    sinks: Tensor | None = None, kernel: str = "auto",
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *, sinks: Tensor | None = None, window: int | None = None,
+    q_positions: Tensor | None = None, k_positions: Tensor | None = None, kernel: str = "auto",
 ) -> Tensor:
-    """Attention of ``q`` over ``k``/``v`` through a block kernel's log-sum-exp, with optional sinks.
+    """Causal attention of ``q`` over ``k``/``v`` through a block kernel's log-sum-exp, with optional sinks.
 
     Args:
         q: ``[B, H, S_q, D]``; ``k`` ``[B, H_kv, S_k, D]``, ``v`` ``[B, H_kv, S_k, Dv]`` (``H`` a multiple
             of ``H_kv``: grouped-query heads are repeated for the kernel, their gradients summed back).
         scale: multiplies ``q @ k^T``.
-        causal: query ``i`` sees keys ``0..i`` (a square block); combined with ``mask`` by AND.
-        mask: bool ``[S_q, S_k]``, True where a query sees a key (e.g. :func:`window_visible`); every
-            row should see at least one key unless ``sinks`` are given (such a row's output is 0).
         sinks: ``[H]`` logits joining each head's softmax denominator (module docstring); they get
             gradients.
+        window: sliding window ``W``: query ``i`` sees keys ``i - W < j <= i`` (:func:`window_visible`).
+        q_positions, k_positions: ``[S_q]`` / ``[S_k]`` positions of the queries and keys (context
+            parallelism's gathered keys); None: ``0 .. S-1`` for both (``S_q == S_k``). Every query
+            should see at least one key unless ``sinks`` are given (such a row's output is 0).
         kernel: ``"auto"``, ``"math"``, ``"cpu_flash"`` or ``"cuda_flash"``
             (:func:`~lightning_moe.parallel.attention_blocks.select_block_kernel`; a masked block runs
             a kernel that takes masks).
@@ -121,6 +134,8 @@ def lse_attention(
         raise ValueError(
             f"sinks must hold one logit per query head, shape [{q.shape[1]}], got {tuple(sinks.shape)}."
         )
+    if (q_positions is None) != (k_positions is None):
+        raise ValueError("lse_attention needs both q_positions and k_positions, or neither (positions 0 .. S-1).")
     if k.dtype != q.dtype or v.dtype != q.dtype:  # the fused kernels take one dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-    return _LseAttention.apply(q, k, v, sinks, scale, causal, mask, kernel)
+    return _LseAttention.apply(q, k, v, sinks, scale, window, q_positions, k_positions, kernel)
