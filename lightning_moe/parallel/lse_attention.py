@@ -13,9 +13,10 @@ merged log-sum-exp of all its blocks.
 A sliding window of ``W`` lets the query at position ``i`` see the keys ``j`` with
 ``i - W < j <= i``, as ``transformers``' ``sliding_window_causal_mask_function`` (:func:`window_visible`).
 
-:func:`lse_attention` is one block of attention with an optional mask and sinks, by the block
-kernels of :mod:`lightning_moe.parallel.attention_blocks`, with its own backward: the single-device
-``CoreAttention`` uses it when sinks are set, and the all-gather exchange of context parallelism too.
+:func:`lse_attention` is attention with an optional window and sinks by the block kernels of
+:mod:`lightning_moe.parallel.attention_blocks`, with its own backward: the single-device
+``CoreAttention`` uses it when sinks are set (a window in tiles of queries over the keys they reach),
+and the all-gather exchange of context parallelism too.
 No collective here.
 """
 
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from lightning_moe.parallel.attention_blocks import masked_kernel, select_block_kernel
 
-__all__ = ["add_sinks", "lse_attention", "sinks_grad", "window_visible"]
+__all__ = ["WINDOW_TILE", "add_sinks", "lse_attention", "sinks_grad", "window_visible"]
 
 
 def window_visible(q_positions: Tensor, k_positions: Tensor, window: int | None) -> Tensor:
@@ -61,45 +62,79 @@ def _sum_repeats(grad: Tensor, repeat: int) -> Tensor:
     return grad if repeat == 1 else grad.unflatten(1, (-1, repeat)).sum(2)
 
 
-def _visible(q: Tensor, k: Tensor, window: int | None, q_positions: Tensor | None, k_positions: Tensor | None):
-    """``(causal, mask)`` for the kernel: a plain causal square, or the mask of the positions and window."""
-    if q_positions is None and (window is None or window >= q.shape[2]):
-        return True, None
-    if q_positions is None:
-        q_positions = torch.arange(q.shape[2], device=q.device)
-        k_positions = torch.arange(k.shape[2], device=q.device)
-    return False, window_visible(q_positions, k_positions, window)
+WINDOW_TILE = 256
+"""Query rows per kernel call of a sliding window on one device (at least the window): each tile attends
+only to the keys its window reaches, so a window costs ``O(S x (tile + W))``, not ``O(S^2)``."""
+
+
+def _calls(q: Tensor, k: Tensor, window: int | None, q_positions: Tensor | None, k_positions: Tensor | None):
+    """The kernel calls ``(query rows, key rows, causal, mask)`` of one attention (slices of the sequences).
+
+    No positions and no window (or one covering the sequence): one causal call. No positions and a
+    window: tiles of queries over the keys in their windows, masked. Positions (context parallelism's
+    gathered keys): one call masked by them.
+    """
+    seq = q.shape[2]
+    if q_positions is not None:
+        return [(slice(0, seq), slice(0, k.shape[2]), False, window_visible(q_positions, k_positions, window))]
+    if window is None or window >= seq:
+        return [(slice(0, seq), slice(0, seq), True, None)]
+    tile = max(window, WINDOW_TILE)
+    calls = []
+    for start in range(0, seq, tile):
+        stop, first_key = min(start + tile, seq), max(0, start - window + 1)
+        positions = torch.arange(first_key, stop, device=q.device)
+        mask = window_visible(positions[start - first_key:], positions, window)
+        calls.append((slice(start, stop), slice(first_key, stop), False, mask))
+    return calls
 
 
 class _LseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, scale, window, q_positions, k_positions, kernel_name):
         repeat = q.shape[1] // k.shape[1]
-        causal, mask = _visible(q, k, window, q_positions, k_positions)
-        kernel = masked_kernel(select_block_kernel(q, v, kernel_name), mask)
+        kernel = select_block_kernel(q, v, kernel_name)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        saved = []
         with torch.autocast(q.device.type, enabled=False):
-            out, lse, saved = kernel.forward(q, _repeat(k, repeat), _repeat(v, repeat), causal, scale, mask)
-            out = out.float()
+            k_all, v_all = _repeat(k, repeat), _repeat(v, repeat)
+            for rows, keys, causal, mask in _calls(q, k, window, q_positions, k_positions):
+                call_kernel = masked_kernel(kernel, mask)
+                block_out, lse[:, :, rows], kernel_saved = call_kernel.forward(
+                    q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], causal, scale, mask
+                )
+                out[:, :, rows] = block_out.float()
+                saved.append((call_kernel, kernel_saved))
             if sinks is not None:
                 out, lse = add_sinks(out, lse, sinks)
         result = out.to(q.dtype)
-        # The mask is rebuilt in backward from the positions: O(S) saved, not O(S^2).
+        # Masks are rebuilt in backward from the positions: O(S) saved, not O(S^2).
         ctx.save_for_backward(q, k, v, sinks, result, lse, q_positions, k_positions)
-        ctx.scale, ctx.window, ctx.kernel, ctx.saved = scale, window, kernel, saved
+        ctx.scale, ctx.window, ctx.saved = scale, window, saved
         return result
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, sinks, out, lse, q_positions, k_positions = ctx.saved_tensors
         repeat = q.shape[1] // k.shape[1]
-        causal, mask = _visible(q, k, ctx.window, q_positions, k_positions)
         grad = grad.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk = q.new_zeros((*q.shape[:2], *k.shape[2:]), dtype=torch.float32)  # per query head, summed below
+        dv = q.new_zeros((*q.shape[:2], *v.shape[2:]), dtype=torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = ctx.kernel.backward(
-                grad, q, _repeat(k, repeat), _repeat(v, repeat), out, lse, ctx.saved, causal, ctx.scale, mask
-            )
+            k_all, v_all = _repeat(k, repeat), _repeat(v, repeat)
+            calls = _calls(q, k, ctx.window, q_positions, k_positions)
+            for (rows, keys, causal, mask), (call_kernel, kernel_saved) in zip(calls, ctx.saved):
+                block_dq, block_dk, block_dv = call_kernel.backward(
+                    grad[:, :, rows], q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], out[:, :, rows],
+                    lse[:, :, rows], kernel_saved, causal, ctx.scale, mask,
+                )
+                dq[:, :, rows] += block_dq.float()
+                dk[:, :, keys] += block_dk.float()
+                dv[:, :, keys] += block_dv.float()
             dsinks = sinks_grad(grad, out, lse, sinks) if sinks is not None else None
-        dk, dv = _sum_repeats(dk.float(), repeat), _sum_repeats(dv.float(), repeat)
+        dk, dv = _sum_repeats(dk, repeat), _sum_repeats(dv, repeat)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None
 
 

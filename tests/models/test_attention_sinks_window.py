@@ -19,6 +19,7 @@ from torch import nn
 from lightning_moe import MoEConfig
 from lightning_moe.memory import apply_selective_recompute
 from lightning_moe.models import Attention, CoreAttention, MoETransformer, MoETransformerConfig
+from lightning_moe.parallel import lse_attention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ = 32, 4, 2, 8, 12
 
@@ -62,9 +63,12 @@ def _qkv(seed: int = 0, dv: int = HEAD_DIM):
     return q, k, v, sinks, grad
 
 
-@pytest.mark.parametrize("window", [None, 1, 3, SEQ - 1, SEQ + 5])
+@pytest.mark.parametrize("tile", [lse_attention.WINDOW_TILE, 4], ids=["one-tile", "tiles-of-4"])
+@pytest.mark.parametrize("window", [None, 1, 3, 5, SEQ - 1, SEQ + 5])
 @pytest.mark.parametrize("with_sinks", [True, False], ids=["sinks", "no-sinks"])
-def test_core_attention_equals_eager_forward_and_gradients(window, with_sinks):
+def test_core_attention_equals_eager_forward_and_gradients(window, with_sinks, tile, monkeypatch):
+    # Tiles of 4 query rows (or the window, if longer) over the keys in their windows: several calls.
+    monkeypatch.setattr(lse_attention, "WINDOW_TILE", tile)
     q, k, v, sinks, grad = _qkv(dv=6)  # a value width other than the key's
     inputs = [q, k, v] + ([sinks] if with_sinks else [])
     inputs = [t.clone().requires_grad_() for t in inputs]
@@ -76,6 +80,23 @@ def test_core_attention_equals_eager_forward_and_gradients(window, with_sinks):
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
     for name, g, w in zip(("q", "k", "v", "sinks"), got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_a_window_on_one_device_computes_only_the_keys_its_tiles_reach(monkeypatch):
+    monkeypatch.setattr(lse_attention, "WINDOW_TILE", 4)
+    shapes = []
+    kernel = lse_attention.select_block_kernel(*_qkv()[:3:2])
+    original = kernel.forward
+
+    def recording(q, k, v, causal, scale, mask=None):
+        shapes.append((q.shape[2], k.shape[2]))
+        return original(q, k, v, causal, scale, mask)
+
+    monkeypatch.setattr(kernel, "forward", recording)
+    q, k, v, sinks, _ = _qkv()
+    CoreAttention(sliding_window=3)(q, k, v, sinks)
+    # Rows 0-3 over keys 0-3, rows 4-7 over keys 2-7, rows 8-11 over keys 6-11 (a window of 3 reaches 2 back).
+    assert shapes == [(4, 4), (4, 6), (4, 6)]
 
 
 def test_sinks_and_window_change_the_result():
