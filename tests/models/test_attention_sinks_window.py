@@ -223,3 +223,10 @@ def test_selective_recompute_keeps_the_gradients(modules):
     plain = dict(model.named_parameters())
     for name, param in recomputed.named_parameters():
         torch.testing.assert_close(param.grad, plain[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_export_to_a_family_without_windows_is_refused(tmp_path):
+    # Mixtral's config.json here holds no per-layer windows: writing one would load as full attention.
+    config = _config(attention_out_bias=False, attention_sinks=False, first_dense_layers=0, ffn_hidden_size=None)
+    with pytest.raises(ValueError, match=r"sliding-window layers .*sliding_window=3.* mixtral export writes every"):
+        MoETransformer(config).save_pretrained(tmp_path, family="mixtral")
