@@ -6,6 +6,8 @@ the sink column dropped), in float64 with autograd for the gradients, d(sinks) i
 model is compared with a copy whose core attention modules are replaced by that eager attention
 (each with its layer's window), so everything else (projections, biases, norms, rotary) is shared
 and only the attention kernel path is under test; the parameter count against the built module.
+Where ``transformers`` is installed, the core attention is also compared with its own GPT-OSS
+``eager_attention_forward`` under its own ``sliding_window_causal_mask_function``.
 """
 
 from __future__ import annotations
@@ -230,3 +232,31 @@ def test_export_to_a_family_without_windows_is_refused(tmp_path):
     config = _config(attention_out_bias=False, attention_sinks=False, first_dense_layers=0, ffn_hidden_size=None)
     with pytest.raises(ValueError, match=r"sliding-window layers .*sliding_window=3.* mixtral export writes every"):
         MoETransformer(config).save_pretrained(tmp_path, family="mixtral")
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 5])
+def test_core_attention_equals_transformers_gpt_oss_attention(window):
+    """``transformers``' own GPT-OSS eager attention and mask function, where the test extra installs it."""
+    pytest.importorskip("transformers", reason="the test extra installs transformers")
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    q, k, v, sinks, grad = _qkv()
+    mask_function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    positions = torch.arange(SEQ)
+    zero = torch.tensor(0)  # transformers' mask functions take index tensors (vmapped or broadcast)
+    visible = mask_function(zero, zero, positions[:, None], positions[None, :]).expand(SEQ, SEQ)
+    additive = torch.zeros(SEQ, SEQ, dtype=torch.float64).masked_fill(~visible, float("-inf"))
+    stub = nn.Module()  # what eager_attention_forward reads of its GptOssAttention
+    stub.sinks, stub.num_key_value_groups = nn.Parameter(sinks.double()), HEADS // KV_HEADS
+    stub.eval()
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    want, _ = eager_attention_forward(stub, *wide, additive[None, None], HEAD_DIM**-0.5)
+    want = want.transpose(1, 2)  # transformers returns [B, S, heads, D]
+    want.backward(grad.double())
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    got = CoreAttention(sliding_window=window)(*inputs)
+    got.backward(grad)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-6)
+    for name, ours, theirs in zip(("q", "k", "v", "sinks"), inputs, (*wide, stub.sinks)):
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"d{n}: {m}")
