@@ -150,26 +150,26 @@ def _step_calls(rank: int, source: int, size: int, seq_local: int, window: int |
     return calls
 
 
-def _ring_steps(k: Tensor, v: Tensor, group, q_heads: int, window: int | None):
+def _ring_steps(k: Tensor, v: Tensor, group, window: int | None):
     """Walk the ring: yield ``(step, calls, k block, v block)`` per step (:func:`_step_calls`).
 
-    The K/V blocks (the whole local sequence of the step's source) are repeated to ``q_heads`` heads
-    for the kernel. The next hop is posted before the step is yielded and awaited when the caller asks
-    for the next one, so the exchange runs while the caller computes.
+    The K/V blocks are the step's source's whole local sequence, with their own head count (each
+    call slices and repeats what it needs). The next hop is posted before the step is yielded and
+    awaited when the caller asks for the next one, so the exchange runs while the caller computes.
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    repeat = q_heads // k.shape[1]
     buffer = _pack(k, v)
     for step in range(size):
         hop = _Hop(buffer, group, _KV_TAG) if step + 1 < size else None
         calls = _step_calls(rank, (rank - step) % size, size, k.shape[2], window, k.device)
-        if calls:
-            k_block, v_block = _unpack(buffer, k.shape, v.shape)
-            yield step, calls, _repeat(k_block, repeat), _repeat(v_block, repeat)
-        else:
-            yield step, calls, None, None
+        yield (step, calls, *_unpack(buffer, k.shape, v.shape))
         if hop is not None:
             buffer = hop.wait()
+
+
+def _keys(block: Tensor, call: _Call, repeat: int) -> Tensor:
+    """The rows of a K/V block a call attends to, repeated to the query heads for the kernel."""
+    return _repeat(block[:, :, call.keys], repeat)
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -186,18 +186,20 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks, group, scale: float, kernel_name: str, window):
         batch, heads, seq_local, _ = q.shape
+        repeat = heads // k.shape[1]
         kernel = select_block_kernel(q, v, kernel_name)
         out = q.new_zeros((batch, heads, seq_local, v.shape[-1]), dtype=torch.float32)
         lse = q.new_full((batch, heads, seq_local), float("-inf"), dtype=torch.float32)
         saved = []
         with torch.autocast(q.device.type, enabled=False):
-            for _, calls, k_block, v_block in _ring_steps(k, v, group, heads, window):
+            for _, calls, k_block, v_block in _ring_steps(k, v, group, window):
                 step_saved = []
                 for call in calls:
                     call_kernel = masked_kernel(kernel, call.mask)
-                    rows, keys = call.rows, call.keys
+                    rows = call.rows
                     block_out, block_lse, kernel_saved = call_kernel.forward(
-                        q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys], call.causal, scale, call.mask
+                        q[:, :, rows], _keys(k_block, call, repeat), _keys(v_block, call, repeat), call.causal, scale,
+                        call.mask,
                     )
                     step_saved.append((call_kernel, kernel_saved))
                     out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
@@ -219,13 +221,13 @@ class _RingAttention(torch.autograd.Function):
         grad_hop = None
         with torch.autocast(q.device.type, enabled=False):
             dsinks = sinks_grad(grad, out, lse, sinks) if sinks is not None else None
-            for step, calls, k_block, v_block in _ring_steps(k, v, group, q.shape[1], ctx.window):
+            for step, calls, k_block, v_block in _ring_steps(k, v, group, ctx.window):
                 block_grads = k.new_zeros(k.numel() + v.numel(), dtype=torch.float32)  # what travels on
                 dk, dv = _unpack(block_grads, k.shape, v.shape)
                 for call, (call_kernel, kernel_saved) in zip(calls, ctx.kernel_saved[step]):
                     rows, keys = call.rows, call.keys
                     block_dq, block_dk, block_dv = call_kernel.backward(
-                        grad[:, :, rows], q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys],
+                        grad[:, :, rows], q[:, :, rows], _keys(k_block, call, repeat), _keys(v_block, call, repeat),
                         out[:, :, rows], lse[:, :, rows], kernel_saved, call.causal, scale, call.mask,
                     )
                     dq[:, :, rows] += block_dq.float()
