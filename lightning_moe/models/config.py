@@ -20,11 +20,13 @@ from lightning_moe.layers.field_docs import document_fields
 from lightning_moe.models.attention import qk_norm_mode
 from lightning_moe.models.rope import RopeScaling
 
-__all__ = ["ATTENTION_TYPES", "MLA_FIELDS", "MoETransformerConfig"]
+__all__ = ["ATTENTION_TYPES", "LAYER_TYPES", "MLA_FIELDS", "MoETransformerConfig"]
 
 ATTENTION_TYPES = ("mha", "mla")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 """The settings of multi-head latent attention; None unless ``attention='mla'``."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The entries of ``layer_types`` (``transformers``' names)."""
 
 
 @document_fields
@@ -146,7 +148,27 @@ class MoETransformerConfig:
     GLM-4.5 (HF ``partial_rotary_factor``, 0.5; Megatron ``rotary_percent``). In ``(0, 1]``;
     multi-head attention only (MLA sets its rotary width with ``qk_rope_head_dim``)."""
 
+    attention_out_bias: bool = False
+    """A bias ``[H]`` on the attention output projection ``o_proj`` (GPT-OSS; HF ``attention_bias``
+    covers q/k/v/o there). Standard attention only."""
+
+    attention_sinks: bool = False
+    """GPT-OSS's attention sinks: one learned logit per query head (parameter ``layers.{i}.attn.sinks``
+    ``[num_attention_heads]``) that joins every softmax denominator of its head and is dropped
+    after, as a key with a zero value. Standard attention only."""
+
+    sliding_window: int | None = None
+    """Window length W of the ``sliding_attention`` layers of ``layer_types``: the query at position
+    ``i`` sees the keys ``j`` with ``i - W < j <= i`` (HF ``sliding_window``, as ``transformers``
+    masks it; GPT-OSS 128). None: no sliding layers."""
+
+    layer_types: list[str] | None = None
+    """Per layer ``full_attention`` or ``sliding_attention`` (HF ``layer_types``; GPT-OSS alternates,
+    sliding first); ``sliding_attention`` needs ``sliding_window``. None: every layer full."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.layer_types, tuple):
+            self.layer_types = list(self.layer_types)
         if isinstance(self.moe_layer_freq, (list, tuple)):
             self.moe_layer_freq = [int(flag) for flag in self.moe_layer_freq]
         if isinstance(self.rope_scaling, dict):
@@ -191,6 +213,14 @@ class MoETransformerConfig:
             return index % self.moe_layer_freq == 0
         return self.moe_layer_freq[index] == 1
 
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of block ``index``: ``sliding_window`` on a ``sliding_attention`` layer, else None."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer index {index} is out of range for num_layers={self.num_layers}.")
+        if self.layer_types is None or self.layer_types[index] != "sliding_attention":
+            return None
+        return self.sliding_window
+
     @property
     def moe_layers(self) -> list[int]:
         """Indices of the MoE layers."""
@@ -227,8 +257,10 @@ class MoETransformerConfig:
         mode = self.qk_norm_mode
         norms = {None: 0, "head": 2 * self.attention_head_dim, "full": q_width + kv_width}[mode]
         biases = q_width + 2 * kv_width if self.attention_bias else 0  # on q_proj, k_proj, v_proj
+        biases += self.hidden_size if self.attention_out_bias else 0  # o_proj bias [H]
+        sinks = self.num_attention_heads if self.attention_sinks else 0  # sinks [heads]
         # q_proj [q, H], k_proj and v_proj [kv, H], o_proj [H, q].
-        return 2 * q_width * self.hidden_size + 2 * kv_width * self.hidden_size + norms + biases
+        return 2 * q_width * self.hidden_size + 2 * kv_width * self.hidden_size + norms + biases + sinks
 
     def _mla_parameters(self) -> int:
         hidden, heads = self.hidden_size, self.num_attention_heads
@@ -264,6 +296,7 @@ class MoETransformerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"MoETransformerConfig.{name} must be > 0, got {getattr(self, name)}.")
         self._validate_attention()
+        self._validate_layer_types()
         self._validate_layer_pattern()
         if self.moe is not None and self.moe.hidden_size != self.hidden_size:
             raise ValueError(
@@ -311,6 +344,29 @@ class MoETransformerConfig:
             )
         self._validate_rotary_width()
 
+    def _validate_layer_types(self) -> None:
+        window, types = self.sliding_window, self.layer_types
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window={window!r} must be an integer >= 1 (GPT-OSS: 128), or None.")
+        if types is None:
+            if window is not None:
+                raise ValueError(
+                    f"sliding_window={window} is set but layer_types is None (every layer full attention), so "
+                    "no layer would use it; set layer_types (e.g. alternating 'sliding_attention' and "
+                    "'full_attention') or sliding_window: null."
+                )
+            return
+        if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(
+                f"layer_types needs num_layers={self.num_layers} entries, each one of {list(LAYER_TYPES)}; got "
+                f"{len(types)} entries: {_short_list(types)}."
+            )
+        if "sliding_attention" in types and window is None:
+            raise ValueError(
+                "layer_types has 'sliding_attention' layers but sliding_window is None; set sliding_window "
+                "(the window length, GPT-OSS 128) or make those layers 'full_attention'."
+            )
+
     def _validate_mla(self) -> None:
         required = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         missing = [name for name in required if getattr(self, name) is None]
@@ -339,6 +395,14 @@ class MoETransformerConfig:
             raise ValueError(
                 f"qk_norm does not apply to attention='mla' (got qk_norm={self.qk_norm!r}): its latents have "
                 "their own RMSNorms. Set qk_norm: false."
+            )
+        unsupported = [name for name in ("attention_out_bias", "attention_sinks") if getattr(self, name)]
+        if self.layer_types is not None and "sliding_attention" in self.layer_types:
+            unsupported.append("layer_types with 'sliding_attention'")
+        if unsupported:
+            raise ValueError(
+                f"{', '.join(unsupported)} are not supported with attention='mla' (no MLA model uses them); "
+                "use attention='mha' or turn them off."
             )
         if self.attention_bias or self.partial_rotary_factor != 1.0:
             raise ValueError(

@@ -30,6 +30,9 @@ about this model, read top to bottom (:func:`transformer_plan`, returned by
     their gradients arrive ``Partial`` and are summed over TP), the up projections column-parallel
     over heads, ``o_proj`` row-parallel; the shared rotary key leaves the replicated part as a
     local tensor whose gradient is declared partial (``rope_key``);
+  - GPT-OSS's attention sinks ``[heads]`` are sharded over the heads as ``q_proj``'s rows (each rank
+    hands its core attention its local sinks); ``o_proj``'s bias is a replicated DTensor added by
+    the row-parallel linear once, to the reduced output;
   - OLMoE's q/k norm over the whole projection (``qk_norm='full'``) gathers the head-sharded
     projection, normalises it with a replicated weight and hands each rank its heads back;
   - every MoE layer receives this rank's *local* sequence slice
@@ -51,7 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -202,6 +205,20 @@ def _rope_key_to_local(module: nn.Module, args: tuple) -> tuple:
     return (k_rot,)
 
 
+def _sinks_to_local(module: nn.Module, args: tuple) -> tuple:
+    """The head-sharded attention sinks as this rank's local ``[heads / TP]`` (gradient stays sharded)."""
+    if len(args) > 3 and isinstance(args[3], DTensor):
+        args = (*args[:3], args[3].to_local(), *args[4:])
+    return args
+
+
+def _shard_sinks(attention: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard ``attention.sinks`` over the heads (as q_proj's rows) and hand the core attention the local part."""
+    attention.sinks = nn.Parameter(distribute_tensor(attention.sinks.detach(), tp_mesh, [Shard(0)]))
+    # Registered on whatever sits at core_attn now: context parallelism, applied first, swapped it.
+    attention.core_attn.register_forward_pre_hook(_sinks_to_local)
+
+
 def tensor_parallel_plan(model: MoETransformer) -> dict[str, object]:
     """The ``parallelize_module`` plan of ``model``, by submodule name."""
     plan: dict[str, object] = {
@@ -272,6 +289,8 @@ def shard_tensor_parallel(model: MoETransformer, tp_mesh: DeviceMesh) -> None:
     for block in model.layers:
         if isinstance(block.attn, MultiLatentAttention):
             block.attn.rope_key.register_forward_pre_hook(_rope_key_to_local)
+        elif getattr(block.attn, "sinks", None) is not None:
+            _shard_sinks(block.attn, tp_mesh)
     for block in model.layers:
         if isinstance(block.ffn, MoELayer):
             shard_moe_input(block.ffn, tp_mesh)

@@ -8,7 +8,8 @@ over the module names below). Module names are a stable public API::
     embed                      nn.Embedding [V, H]
     layers.{i}.attn_norm       RMSNorm [H]
     layers.{i}.attn            Attention: q_proj, k_proj, v_proj, o_proj (nn.Linear), q_norm, k_norm,
-                               core_attn (CoreAttention, no parameters); with attention='mla'
+                               sinks (attention_sinks, [heads]), core_attn (CoreAttention, no
+                               parameters; its sliding_window from layer_types); with attention='mla'
                                MultiLatentAttention: q_proj or q_down_proj, q_latent_norm, q_up_proj;
                                kv_down_proj, kv_latent_norm, kv_up_proj, o_proj, rope_key, core_attn
     layers.{i}.ffn_norm        RMSNorm [H]
@@ -119,7 +120,7 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _build_attention(config: MoETransformerConfig) -> nn.Module:
+def _build_attention(config: MoETransformerConfig, index: int = 0) -> nn.Module:
     if config.attention == "mla":
         return MultiLatentAttention(
             config.hidden_size,
@@ -143,16 +144,22 @@ def _build_attention(config: MoETransformerConfig) -> nn.Module:
         norm_eps=config.norm_eps,
         rope_interleaved=config.rope_interleaved,
         attention_bias=config.attention_bias,
+        out_bias=config.attention_out_bias,
+        sinks=config.attention_sinks,
+        sliding_window=config.layer_window(index),
     )
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(attn_norm(x))``, then ``+ ffn(ffn_norm(x))`` (MoE or dense)."""
+    """Pre-norm block: ``x + attn(attn_norm(x))``, then ``+ ffn(ffn_norm(x))`` (MoE or dense).
 
-    def __init__(self, config: MoETransformerConfig, ffn: nn.Module) -> None:
+    ``layer_index`` selects the block's attention type in ``config.layer_types`` (its sliding window).
+    """
+
+    def __init__(self, config: MoETransformerConfig, ffn: nn.Module, layer_index: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attn = _build_attention(config)
+        self.attn = _build_attention(config, layer_index)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.ffn = ffn
 
@@ -207,7 +214,7 @@ class MoETransformer(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(
-                TransformerBlock(config, self._build_ffn(index)) for index in range(config.num_layers)
+                TransformerBlock(config, self._build_ffn(index), index) for index in range(config.num_layers)
             )
             self.norm = RMSNorm(config.hidden_size, config.norm_eps)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -241,7 +248,8 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Re-draw every weight from the model seed (norms to ones, MoE layers from their seeds).
+        """Re-draw every weight from the model seed (norms to ones, biases outside the MoE layers to zeros,
+        attention sinks from their own streams, MoE layers from their seeds).
 
         Call after ``to_empty`` on a model built on the meta device. Normal(0, ``init_std``) values
         are drawn in fp32 on the CPU from :func:`init_generator` of each module's qualified name
@@ -263,18 +271,23 @@ class MoETransformer(nn.Module):
                 moe_prefixes.append(name + ".")
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, Attention) and module.sinks is not None:
+                self._draw(module.sinks, f"{name}.sinks")  # its projections come by as nn.Linear below
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 if module is self.lm_head and self.config.tie_embeddings:
                     continue  # the embedding's tensor, already drawn
-                weight = module.weight
-                # Explicitly on the CPU, like the generator: Lightning may run this under a device context.
-                values = torch.empty(weight.shape, dtype=torch.float32, device="cpu")
-                values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
-                write_full(weight, values)
-                del values  # one drawn tensor alive at a time
-                if getattr(module, "bias", None) is not None:  # q/k/v biases start at zero, as Megatron's
-                    write_full(module.bias, torch.zeros(module.bias.shape, dtype=torch.float32))
+                self._draw(module.weight, name)
+                if getattr(module, "bias", None) is not None:  # q/k/v and o_proj biases start at zero, as transformers
+                    write_full(module.bias, torch.zeros(module.bias.shape, dtype=torch.float32, device="cpu"))
         reset_adapters(self)  # LoRA adapters of the linear layers drawn above (the MoE layers did theirs)
+
+    def _draw(self, tensor: Tensor, name: str) -> None:
+        """Write Normal(0, ``init_std``) values drawn in fp32 on the CPU from the stream of ``name``."""
+        # Explicitly on the CPU, like the generator: Lightning may run this under a device context.
+        values = torch.empty(tensor.shape, dtype=torch.float32, device="cpu")
+        values.normal_(0.0, self.config.init_std, generator=init_generator(self.init_seed, name))
+        write_full(tensor, values)
+        del values  # one drawn tensor alive at a time
 
     def forward(
         self, tokens: Tensor, padding_mask: Tensor | None = None, position_ids: Tensor | None = None

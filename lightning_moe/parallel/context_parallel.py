@@ -18,6 +18,10 @@ local queries over the whole sequence, by one of two exchanges of the keys and v
   wholly visible. The backward recomputes each block from the merged output and log-sum-exp and
   sends each K/V gradient along the ring to its owner.
 
+GPT-OSS's sliding windows and attention sinks work with both exchanges: the all-gather masks the
+window and adds the sinks through the kernels' log-sum-exp; the ring skips blocks wholly outside the
+window and adds the sinks once to its merged log-sum-exp.
+
 The collectives are this module's own autograd functions and make every incoming gradient
 contiguous (``torch.distributed.nn.functional.all_gather`` gives wrong gradients on gloo for
 non-contiguous ones).
@@ -30,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_moe.parallel.lse_attention import lse_attention, window_visible
 from lightning_moe.parallel.ring_attention import ring_attention
 
 __all__ = [
@@ -96,7 +101,7 @@ class _AllGather(torch.autograd.Function):
 
 def context_parallel_attention(
     q: Tensor, k: Tensor, v: Tensor, group, cp_comm_type: str = "p2p", softmax_scale: float | None = None,
-    block_kernel: str = "auto",
+    block_kernel: str = "auto", sinks: Tensor | None = None, window: int | None = None,
 ) -> Tensor:
     """Causal attention of this CP rank's queries over the whole sequence.
 
@@ -110,6 +115,9 @@ def context_parallel_attention(
         block_kernel: the ring's attention kernel per step (``p2p`` only): ``"auto"`` (the device's
             fused kernel where it applies), ``"math"`` (fp32 matmuls), ``"cpu_flash"``, ``"cuda_flash"``
             (:mod:`lightning_moe.parallel.attention_blocks`).
+        sinks: ``[H]`` attention sinks (GPT-OSS), one logit per query head in every softmax
+            denominator (:mod:`lightning_moe.parallel.lse_attention`).
+        window: sliding window ``W``: query ``i`` sees keys ``i - W < j <= i`` (global positions).
 
     Returns ``[B, H, S_local, Dv]`` in ``q``'s dtype. K/V travel with their own head count ``H_kv``.
     """
@@ -122,7 +130,7 @@ def context_parallel_attention(
         )
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if cp_comm_type == "p2p":
-        return ring_attention(q, k, v, group, scale, block_kernel)
+        return ring_attention(q, k, v, group, scale, block_kernel, sinks=sinks, window=window)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     positions = [load_balanced_positions(q.shape[2] * size, r, size, device=q.device) for r in range(size)]
     # Gather along a leading dim of its own, then lay the ranks' blocks side by side.
@@ -133,5 +141,8 @@ def context_parallel_attention(
         k_cat, v_cat = k_cat.repeat_interleave(repeat, dim=1), v_cat.repeat_interleave(repeat, dim=1)
     # One attention over the whole sequence: the fused SDPA kernels (with a mask) where the device
     # has them. Every query sees at least itself, so no row is fully masked.
-    visible = torch.cat(positions)[None, :] <= positions[rank][:, None]
+    if sinks is not None:  # through the kernel's log-sum-exp, which SDPA does not return
+        return lse_attention(q, k_cat, v_cat, scale, sinks=sinks, window=window, q_positions=positions[rank],
+                             k_positions=torch.cat(positions), kernel=block_kernel)
+    visible = window_visible(positions[rank], torch.cat(positions), window)
     return F.scaled_dot_product_attention(q, k_cat, v_cat, attn_mask=visible, scale=scale)

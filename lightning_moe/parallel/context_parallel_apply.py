@@ -53,22 +53,29 @@ class ContextParallelCoreAttention(nn.Module):
         group: the CP process group.
         cp_comm_type: ``"p2p"`` (ring) or ``"all_gather"``.
         softmax_scale: the replaced module's scale (None: ``D ** -0.5``).
+        sliding_window: the replaced module's sliding window (None: full causal attention).
     """
 
-    def __init__(self, group, cp_comm_type: str = "p2p", softmax_scale: float | None = None) -> None:
+    def __init__(
+        self, group, cp_comm_type: str = "p2p", softmax_scale: float | None = None, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
         if cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"Unknown cp_comm_type {cp_comm_type!r}; choose one of {list(CP_COMM_TYPES)}.")
         self.group = group
         self.cp_comm_type = cp_comm_type
         self.softmax_scale = softmax_scale
+        self.sliding_window = sliding_window
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """``q``/``k`` ``[B, heads or kv_heads, S_local, D]``, ``v`` ``[B, kv_heads, S_local, Dv]``."""
-        return context_parallel_attention(q, k, v, self.group, self.cp_comm_type, self.softmax_scale)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None) -> Tensor:
+        """``q``/``k`` ``[B, heads or kv_heads, S_local, D]``, ``v`` ``[B, kv_heads, S_local, Dv]``, ``sinks`` ``[heads]``."""
+        return context_parallel_attention(
+            q, k, v, self.group, self.cp_comm_type, self.softmax_scale, sinks=sinks, window=self.sliding_window
+        )
 
     def extra_repr(self) -> str:
-        return f"cp_comm_type={self.cp_comm_type!r}"
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
+        return f"cp_comm_type={self.cp_comm_type!r}{window}"
 
 
 def context_parallel_positions(model: nn.Module, local_len: int, device=None) -> Tensor | None:
@@ -110,7 +117,9 @@ def _swap_attention(model: nn.Module, plan: ContextParallelPlan, group, cp_comm_
     for name in plan.attention:
         core = resolve(model, name)
         parent, _, attribute = name.rpartition(".")
-        replacement = ContextParallelCoreAttention(group, cp_comm_type, getattr(core, "softmax_scale", None))
+        replacement = ContextParallelCoreAttention(
+            group, cp_comm_type, getattr(core, "softmax_scale", None), getattr(core, "sliding_window", None)
+        )
         setattr(resolve(model, parent), attribute, replacement)
 
 

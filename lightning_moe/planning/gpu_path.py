@@ -19,25 +19,29 @@ __all__ = ["take_the_gpu_path"]
 
 class _FlashAttentionStandIn(torch.autograd.Function):
     """Causal attention with flash attention's memory: saves q, k, v, the output and the fp32
-    log-sum-exp (``[B, heads, S]``), nothing of size ``S x S``. Values are not computed (fake)."""
+    log-sum-exp (``[B, heads, S]``), nothing of size ``S x S``, and the attention sinks when given
+    (GPT-OSS; a sliding window keeps nothing more). Values are not computed (fake)."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, sinks):
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v, sinks, _, _ = ctx.saved_tensors
+        dsinks = None if sinks is None else torch.empty_like(sinks)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
-def _flash_attention(module: CoreAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _flash_attention(
+    module: CoreAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     # CUDA autocast runs attention in bf16 (CPU autocast leaves SDPA in fp32).
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
-    return _FlashAttentionStandIn.apply(q.to(dtype), k.to(dtype), v.to(dtype))
+    return _FlashAttentionStandIn.apply(q.to(dtype), k.to(dtype), v.to(dtype), sinks)
 
 
 def take_the_gpu_path(model: torch.nn.Module) -> None:

@@ -66,3 +66,32 @@ def test_cpu_tensors_get_the_fused_kernel_where_it_applies():
     assert select_block_kernel(q, v, "math") is MathBlock
     with pytest.raises(ValueError, match="Unknown attention block kernel 'flash3'"):
         select_block_kernel(q, v, "flash3")
+
+
+@pytest.mark.parametrize("kernel", [MathBlock, CpuFlashBlock])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_masked_block_equals_attention_and_empty_rows_weigh_nothing(kernel, dtype, tolerance):
+    # A block partly inside a sliding window: some rows see a few keys, the first row none at all.
+    q, k, v, dout = _block(dtype, 4, 8, 6)
+    mask = torch.tensor([[False] * 8, [True] + [False] * 7, [True] * 3 + [False] * 5, [False, True, True] + [False] * 5])
+    out, lse, saved = kernel.forward(q, k, v, False, SCALE, mask)
+    assert torch.equal(out[:, :, 0].float(), torch.zeros_like(out[:, :, 0].float()))
+    assert torch.isneginf(lse[:, :, 0]).all()
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    scores = (inputs[0] @ inputs[1].transpose(-1, -2) * SCALE).masked_fill(~mask, float("-inf"))
+    rows = slice(1, None)  # the oracle on the rows that see something
+    out_ref = scores[:, :, rows].softmax(-1) @ inputs[2]
+    out_ref.backward(dout[:, :, rows].double())
+    lse_ref = torch.logsumexp(scores[:, :, rows], -1)
+    torch.testing.assert_close(out[:, :, rows].double(), out_ref.detach(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(lse[:, :, rows].double(), lse_ref.detach(), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    # Backward with the merged lse of a whole row (another block gave the empty row its keys): here
+    # the empty row's lse is made finite and its gradient through this block must be zero.
+    merged_lse = lse.float().clone()
+    merged_lse[:, :, 0] = 0.0
+    merged_out = out.clone()
+    grads = kernel.backward(dout.masked_fill(torch.arange(4)[:, None] == 0, 0.0), q, k, v, merged_out, merged_lse,
+                            saved, False, SCALE, mask)
+    for name, got, want in zip("qkv", grads, (t.grad for t in inputs)):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance, msg=lambda m, n=name: f"d{n}: {m}")

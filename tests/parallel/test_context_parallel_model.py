@@ -43,11 +43,20 @@ LAYOUTS = {
     "cp4": (4, {"cp": 4}),
     "cp2-ep2-folded": (4, {"cp": 2, "ep": 2}),
     "cp2-tp2": (4, {"cp": 2, "tp": 2, "etp": 1}),
+    # GPT-OSS's attention: sinks, o_proj bias, sliding layers with a window of 3 (CP2 chunks hold 4
+    # tokens, CP4 chunks 2: a window shorter and longer than a chunk).
+    "cp2-oss": (2, {"cp": 2}),
+    "cp4-oss": (4, {"cp": 4}),
+    "cp2-tp2-oss": (4, {"cp": 2, "tp": 2, "etp": 1}),
 }
+OSS_ATTENTION = dict(
+    num_kv_heads=2, attention_out_bias=True, attention_sinks=True, sliding_window=3,
+    layer_types=["sliding_attention", "full_attention"],
+)
 
 
-def _config(mla: bool = False) -> MoETransformerConfig:
-    attention = dict(
+def _config(mla: bool = False, oss: bool = False) -> MoETransformerConfig:
+    attention = OSS_ATTENTION if oss else dict(
         attention="mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
         rope_interleaved=True,
     ) if mla else dict(num_kv_heads=2, qk_norm=True)
@@ -68,9 +77,9 @@ def _batch(step: int, replicas: int):
     return inputs, targets, padding
 
 
-def _run(rank: int, world: int, layout: dict, comm_type: str, mla: bool) -> dict:
+def _run(rank: int, world: int, layout: dict, comm_type: str, mla: bool, oss: bool = False) -> dict:
     torch.manual_seed(0)
-    reference = MoETransformer(_config(mla))
+    reference = MoETransformer(_config(mla, oss))
     model = copy.deepcopy(reference)
     ctx = build_parallel_context(ParallelDims(world, **layout), "cpu")
     parallelize(model, ctx, cp_comm_type=comm_type)
@@ -118,7 +127,9 @@ def _run(rank: int, world: int, layout: dict, comm_type: str, mla: bool) -> dict
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_context_parallel_training_equals_single_device(layout, comm_type, tmp_path):
     world, sizes = LAYOUTS[layout]
-    results = run_distributed(_run, world, sizes, comm_type, "mla" in layout, timeout_s=180, tmp_dir=tmp_path)
+    results = run_distributed(
+        _run, world, sizes, comm_type, "mla" in layout, "oss" in layout, timeout_s=180, tmp_dir=tmp_path
+    )
     failures = {
         f"rank {rank}: {key}": err for rank, errors in enumerate(results) for key, err in errors.items()
         if exceeds(err, WEIGHT_TOL if key.startswith("weight") else TOL)

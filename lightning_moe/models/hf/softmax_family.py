@@ -36,11 +36,17 @@ def refuse_sliding_window(fields: Fields, window: int | None) -> None:
 
 
 def softmax_router_problems(
-    config: MoETransformerConfig, family: str, *, always_renormalises: bool = False, dense_layers: bool = False
+    config: MoETransformerConfig, family: str, *, always_renormalises: bool = False, dense_layers: bool = False,
+    sliding_windows: bool = False,
 ) -> list[str]:
-    """What of ``config``'s routing a softmax ``family`` cannot hold; ``always_renormalises``: the
-    family has no ``norm_topk_prob``; ``dense_layers``: it allows dense layers between MoE ones."""
+    """What of ``config``'s routing (and sliding windows) a softmax ``family`` cannot hold;
+    ``always_renormalises``: the family has no ``norm_topk_prob``; ``dense_layers``: it allows dense
+    layers between MoE ones; ``sliding_windows``: its export writes ``layer_types`` and ``sliding_window``."""
     moe, problems = config.moe, []
+    # A window lives in config.json only: without this the export would drop it and load as full attention.
+    if not sliding_windows and config.layer_types is not None and "sliding_attention" in config.layer_types:
+        problems.append(f"sliding-window layers (layer_types, sliding_window={config.sliding_window}): the {family} "
+                        "export writes every layer as full attention")
     if moe.score_func != "softmax":
         problems.append(f"score_func={moe.score_func!r}, {family} routes with softmax")
     if always_renormalises and moe.pre_softmax:
