@@ -34,7 +34,7 @@ from lightning_moe.lora.checkpoint import LORA_RECORD_KEY, adapter_state, base_f
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import EMPTY_BATCH_HINT
 from lightning_moe.parallel.config_error import ConfigError
-from lightning_moe.parallel.context_parallel_apply import cp_token_mean
+from lightning_moe.parallel.context_parallel.apply import cp_token_mean
 
 __all__ = [
     "MoELanguageModel", "OverrideValue", "TokenMeanLoss", "TokenPerplexity", "adamw_kernel_options", "check_batch",
@@ -440,7 +440,7 @@ class MoELanguageModel(L.LightningModule):
 
     def _training_loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         """:meth:`_loss`; under context parallelism this rank's share of the mean over every target of
-        the whole sequences (:func:`~lightning_moe.parallel.context_parallel_apply.cp_token_mean`):
+        the whole sequences (:func:`~lightning_moe.parallel.context_parallel.apply.cp_token_mean`):
         the CP ranks hold different numbers of kept targets."""
         strategy = self.trainer.strategy
         ctx = strategy.parallel_context if hasattr(type(strategy), "parallel_context") else None

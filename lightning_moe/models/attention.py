@@ -73,9 +73,9 @@ class CoreAttention(nn.Module):
     ``softmax_scale`` multiplies ``q @ k^T``; None is ``D ** -0.5``. ``sliding_window`` ``W`` lets the
     query at position ``i`` see only the keys ``j`` with ``i - W < j <= i`` (``transformers``' sliding
     window); ``forward``'s ``sinks`` ``[heads]`` are GPT-OSS's attention sinks, one logit per head in
-    every softmax denominator (:mod:`lightning_moe.parallel.lse_attention`), the owner's parameter.
+    every softmax denominator (:mod:`lightning_moe.parallel.context_parallel.lse`), the owner's parameter.
     Without sinks a window is an explicit mask to ``scaled_dot_product_attention``; with sinks the
-    attention runs through a kernel's log-sum-exp (:func:`~lightning_moe.parallel.lse_attention.lse_attention`).
+    attention runs through a kernel's log-sum-exp (:func:`~lightning_moe.parallel.context_parallel.lse.lse_attention`).
     """
 
     def __init__(self, softmax_scale: float | None = None, sliding_window: int | None = None) -> None:
@@ -94,7 +94,7 @@ class CoreAttention(nn.Module):
                 q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
             )
         # At call time: the parallel package is only needed by models that use windows or sinks.
-        from lightning_moe.parallel.lse_attention import lse_attention, window_visible
+        from lightning_moe.parallel.context_parallel.lse import lse_attention, window_visible
 
         if sinks is None:
             positions = torch.arange(seq, device=q.device)

@@ -67,7 +67,7 @@ from lightning_moe.layers.moe import MoELayer
 from lightning_moe.models.attention import Attention, CoreAttention
 from lightning_moe.models.mla import MultiLatentAttention
 from lightning_moe.models.rope import rotary_cos_sin
-from lightning_moe.parallel.context_parallel_apply import context_parallel_positions
+from lightning_moe.parallel.context_parallel.apply import context_parallel_positions
 from lightning_moe.parallel.model_plan import (
     ContextParallelPlan,
     ModelPlan,

@@ -17,7 +17,7 @@ Fields (all names are qualified module names relative to the model that returns 
     The core-attention modules, ``forward(q, k, v)`` with ``[B, heads, S, D]`` tensors
     (``k``/``v`` may have fewer heads) and causal attention over ``S``; under
     ``context_parallel_size > 1`` each is replaced by
-    :class:`~lightning_moe.parallel.context_parallel_apply.ContextParallelCoreAttention`, which
+    :class:`~lightning_moe.parallel.context_parallel.apply.ContextParallelCoreAttention`, which
     attends over the whole sequence held by the CP ranks (a ``softmax_scale`` attribute is kept).
     The model then receives the global positions of this rank's chunks (``[S_local]`` integers)
     in the forward keyword ``position_kwarg``; ``max_seq_len`` bounds the whole sequence.
@@ -123,7 +123,7 @@ class ContextParallelPlan:
     position_kwarg: str | None = None
     """The forward keyword that takes the ``[S_local]`` global positions of this rank's chunks (None:
     the model takes none, e.g. it has no position encoding or asks
-    :func:`~lightning_moe.parallel.context_parallel_apply.context_parallel_positions` itself)."""
+    :func:`~lightning_moe.parallel.context_parallel.apply.context_parallel_positions` itself)."""
     max_seq_len: int | None = None
     """The longest whole sequence (``CP x`` the local length) the model accepts; None: no limit."""
 

@@ -3,7 +3,7 @@
 Model code is written for one device; this function turns it into its share of a parallel
 layout. Order (each step assumes the previous ones):
 
-0. context parallelism (:func:`~lightning_moe.parallel.context_parallel_apply.apply_context_parallel`)
+0. context parallelism (:func:`~lightning_moe.parallel.context_parallel.apply.apply_context_parallel`)
    when ``cp > 1``: the attention each model's plan declares runs over the CP ranks' chunks of
    each sequence;
 1. tensor / sequence parallelism (:func:`~lightning_moe.parallel.tensor_parallel.apply_tensor_parallel`)
@@ -32,7 +32,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_moe.parallel.context_parallel_apply import apply_context_parallel
+from lightning_moe.parallel.context_parallel.apply import apply_context_parallel
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
 from lightning_moe.parallel.fully_shard import apply_fully_shard, check_fully_shard
 from lightning_moe.parallel.layout.groups import ParallelContext

@@ -213,7 +213,7 @@ def classify_collective(c: Collective, groups: dict[str, tuple[int, ...]], fsdp:
     tensor parallelism's, FSDP2's data-parallel gathers and scatters under ``FULL_SHARD`` FSDP's, the
     CP group's context parallelism's; anything else (norms, loss and statistics reductions) other."""
     if c.kind in ("send", "recv"):
-        return "context_parallel" if c.site == "ring_attention.py" else "pipeline"
+        return "context_parallel" if c.site == "ring.py" else "pipeline"  # parallel/context_parallel/ring.py
     if c.kind == "all_to_all" or (c.site in ("collectives.py", "allgather.py") and (c.module or "").startswith("layers")
                                   and c.kind in ("all_gather", "reduce_scatter")):
         return "token_dispatch"

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from lightning_moe.parallel.context_parallel_apply import context_parallel_problem
+from lightning_moe.parallel.context_parallel.apply import context_parallel_problem
 from lightning_moe.parallel.cpu_gemm_agreement import agree_on_cpu_gemm
 from lightning_moe.parallel.expert_parallel import is_expert_param
 from lightning_moe.parallel.expert_support import expert_parallel_support_problem
@@ -50,7 +50,7 @@ _LAYOUT_ATTR = "_lightning_moe_layout"
 def check_context_parallel_support(model: nn.Module, cp: int) -> None:
     """Raise ``ValueError`` at CP > 1 unless ``model`` declares its attention for context parallelism.
 
-    See :func:`~lightning_moe.parallel.context_parallel_apply.context_parallel_problem`.
+    See :func:`~lightning_moe.parallel.context_parallel.apply.context_parallel_problem`.
     """
     problem = context_parallel_problem(model, cp)
     if problem is not None:

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_moe.compat import default_process_group_backend, optimizers_to_device
 from lightning_moe.layers.cpu_gemm import ENV_VAR as CPU_GEMM_ENV_VAR
 from lightning_moe.parallel import ParallelContext, ParallelDims, build_parallel_context, mixed_tensor_updates
-from lightning_moe.parallel.context_parallel_apply import shard_batch
+from lightning_moe.parallel.context_parallel.apply import shard_batch
 from lightning_moe.parallel.cpu_gemm_agreement import describe_cpu_gemm_choices
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.gradient_sync import GradientSync

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_moe.parallel.attention_blocks import (
+from lightning_moe.parallel.context_parallel.blocks import (
     CpuFlashBlock,
     MathBlock,
     select_block_kernel,

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_moe.parallel.attention_blocks import CudaFlashBlock, MathBlock, select_block_kernel
 from lightning_moe.parallel.context_parallel import context_parallel_attention
+from lightning_moe.parallel.context_parallel.blocks import CudaFlashBlock, MathBlock, select_block_kernel
 
 pytestmark = pytest.mark.gpu
 

@@ -25,7 +25,7 @@ from lightning_moe.layers import set_aux_loss_scale
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.models.transformer import next_token_loss
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
-from lightning_moe.parallel.context_parallel_apply import cp_token_mean, shard_batch
+from lightning_moe.parallel.context_parallel.apply import cp_token_mean, shard_batch
 from lightning_moe.parallel.grad_sync import GradSync
 
 pytestmark = pytest.mark.distributed

@@ -64,7 +64,7 @@ def hf_dir(request, tmp_path_factory):
 
 def _load_and_forward(rank: int, world_size: int, path: str, layout: dict, tokens) -> dict:
     from lightning_moe.checkpoint.hf_load import load_hf_weights
-    from lightning_moe.parallel.context_parallel_apply import shard_batch
+    from lightning_moe.parallel.context_parallel.apply import shard_batch
 
     ctx = build_parallel_context(ParallelDims(world_size, **layout), "cpu")
     config = MoETransformer.from_pretrained(path).config  # the architecture only; the weights are re-drawn

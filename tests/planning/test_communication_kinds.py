@@ -19,7 +19,7 @@ def _c(kind, ranks, site="", module=None, nbytes=8):
 
 
 @pytest.mark.parametrize(("collective", "fsdp", "kind"), [
-    (_c("send", GROUPS["cp"], site="ring_attention.py", module="layers.0"), False, "context_parallel"),
+    (_c("send", GROUPS["cp"], site="ring.py", module="layers.0"), False, "context_parallel"),
     (_c("recv", (0, 8), site="runner.py"), False, "pipeline"),
     (_c("all_to_all", (0, 1, 2, 3), site="collectives.py", module="layers.3"), False, "token_dispatch"),
     (_c("all_gather", (0, 1), site="collectives.py", module="layers.1"), False, "token_dispatch"),  # ETP gather
@@ -27,7 +27,7 @@ def _c(kind, ranks, site="", module=None, nbytes=8):
     (_c("reduce_scatter", GROUPS["tp"], site="moe_strategy.py", module="layers.0"), True, "tensor_parallel"),
     (_c("all_gather", GROUPS["dp_cp"], site="transformer.py", module="layers.0"), True, "fsdp"),
     (_c("all_gather", GROUPS["dp_cp"], site="transformer.py", module="layers.0"), False, "other"),  # no FSDP2
-    (_c("all_reduce", GROUPS["cp"], site="context_parallel_apply.py"), False, "context_parallel"),
+    (_c("all_reduce", GROUPS["cp"], site="apply.py"), False, "context_parallel"),
     (_c("all_reduce", tuple(range(16)), site="grad_norm.py"), False, "other"),
 ])
 def test_each_collective_has_its_kind(collective, fsdp, kind):

@@ -29,7 +29,7 @@ from lightning_moe.lit import MoELanguageModel
 from lightning_moe.lit.module import IGNORE_INDEX
 from lightning_moe.models import MoETransformerConfig
 from lightning_moe.models.attention import CoreAttention
-from lightning_moe.parallel.context_parallel_apply import ContextParallelCoreAttention
+from lightning_moe.parallel.context_parallel.apply import ContextParallelCoreAttention
 from lightning_moe.strategies import MoEStrategy
 
 pytestmark = pytest.mark.distributed

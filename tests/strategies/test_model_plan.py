@@ -44,7 +44,7 @@ from lightning_moe import MoEConfig, MoELayer
 from lightning_moe.callbacks.cuda_graphs import CUDAGraphCapture
 from lightning_moe.callbacks.recompute import SelectiveRecompute
 from lightning_moe.memory.recompute import RECOMPUTE_MARK
-from lightning_moe.parallel.context_parallel_apply import ContextParallelCoreAttention
+from lightning_moe.parallel.context_parallel.apply import ContextParallelCoreAttention
 from lightning_moe.parallel.model_plan import (
     ContextParallelPlan,
     ModelPlan,

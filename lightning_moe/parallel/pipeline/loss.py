@@ -11,7 +11,7 @@ is that mean too.
 
 Under context parallelism the counts are the whole sequences' (summed over ``cp``), matching a
 ``loss_fn`` that returns this CP rank's share of the whole-sequence mean
-(:func:`~lightning_moe.parallel.context_parallel_apply.cp_token_mean`).
+(:func:`~lightning_moe.parallel.context_parallel.apply.cp_token_mean`).
 """
 
 from __future__ import annotations

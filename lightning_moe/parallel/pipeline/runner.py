@@ -43,7 +43,7 @@ is written here. Semantics (docs/numerics.md, gradient accumulation):
   states between stages; the blocks attend over the CP group and use the chunks' global rotary
   positions (:mod:`~lightning_moe.parallel.pipeline.split`). ``loss_fn`` returns this CP rank's
   share of the whole-sequence mean, as the CP training loss does
-  (:func:`~lightning_moe.parallel.context_parallel_apply.cp_token_mean`: its gradients, reduced
+  (:func:`~lightning_moe.parallel.context_parallel.apply.cp_token_mean`: its gradients, reduced
   over DP x CP, are the whole sequence's); the runner averages the shares over ``cp`` after the
   broadcast, so every rank returns the whole-sequence means;
 * when a stage raises, its rank tells the others, which raise

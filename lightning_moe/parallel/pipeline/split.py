@@ -25,7 +25,7 @@ Between stages only one tensor travels (the hidden states), so blocks take and r
 (extra per-layer inputs, such as rotary tables, are recomputed from it in ``block``). Under context
 parallelism the hidden states are this CP rank's chunks of each sequence; a model whose blocks need
 the chunks' global positions asks
-:func:`~lightning_moe.parallel.context_parallel_apply.context_parallel_positions` in ``block`` (the
+:func:`~lightning_moe.parallel.context_parallel.apply.context_parallel_positions` in ``block`` (the
 reference transformer does). Its attention modules were swapped for the CP attention before the
 split, and the stages keep them.
 """

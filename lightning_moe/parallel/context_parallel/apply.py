@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_moe.parallel.context_parallel import (
+from lightning_moe.parallel.context_parallel.exchange import (
     CP_COMM_TYPES,
     context_parallel_attention,
     load_balanced_positions,

@@ -14,7 +14,7 @@ A sliding window of ``W`` lets the query at position ``i`` see the keys ``j`` wi
 ``i - W < j <= i``, as ``transformers``' ``sliding_window_causal_mask_function`` (:func:`window_visible`).
 
 :func:`lse_attention` is attention with an optional window and sinks by the block kernels of
-:mod:`lightning_moe.parallel.attention_blocks`, with its own backward: the single-device
+:mod:`lightning_moe.parallel.context_parallel.blocks`, with its own backward: the single-device
 ``CoreAttention`` uses it when sinks are set (a window in tiles of queries over the keys they reach),
 and the all-gather exchange of context parallelism too.
 No collective here.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_moe.parallel.attention_blocks import masked_kernel, select_block_kernel
+from lightning_moe.parallel.context_parallel.blocks import masked_kernel, select_block_kernel
 
 __all__ = ["WINDOW_TILE", "add_sinks", "lse_attention", "sinks_grad", "window_visible"]
 
@@ -155,7 +155,7 @@ def lse_attention(
             parallelism's gathered keys); None: ``0 .. S-1`` for both (``S_q == S_k``). Every query
             should see at least one key unless ``sinks`` are given (such a row's output is 0).
         kernel: ``"auto"``, ``"math"``, ``"cpu_flash"`` or ``"cuda_flash"``
-            (:func:`~lightning_moe.parallel.attention_blocks.select_block_kernel`; a masked block runs
+            (:func:`~lightning_moe.parallel.context_parallel.blocks.select_block_kernel`; a masked block runs
             a kernel that takes masks).
 
     Returns ``[B, H, S_q, Dv]`` in ``q``'s dtype.

@@ -9,7 +9,7 @@ local queries over the whole sequence, by one of two exchanges of the keys and v
 * ``"all_gather"``: every rank gathers all K/V chunks (backward: reduce-scatter of their
   gradients) and attends with the mask ``key position <= query position`` in one
   ``scaled_dot_product_attention`` call (the device's fused kernels, in the inputs' dtype);
-* ``"p2p"``: a ring (:mod:`lightning_moe.parallel.ring_attention`). K/V blocks travel ``C - 1``
+* ``"p2p"``: a ring (:mod:`lightning_moe.parallel.context_parallel.ring`). K/V blocks travel ``C - 1``
   hops with ``batch_isend_irecv``, overlapped with the attention of the block at hand; each step's
   partial attention is merged online through its log-sum-exp (the flash-attention merge), so no
   rank holds more than two K/V blocks at a time. Each step runs the device's fused attention
@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_moe.parallel.lse_attention import lse_attention, window_visible
-from lightning_moe.parallel.ring_attention import ring_attention
+from lightning_moe.parallel.context_parallel.lse import lse_attention, window_visible
+from lightning_moe.parallel.context_parallel.ring import ring_attention
 
 __all__ = [
     "CP_COMM_TYPES",
@@ -114,9 +114,9 @@ def context_parallel_attention(
         softmax_scale: multiplies ``q @ k^T``; None is ``D ** -0.5``.
         block_kernel: the ring's attention kernel per step (``p2p`` only): ``"auto"`` (the device's
             fused kernel where it applies), ``"math"`` (fp32 matmuls), ``"cpu_flash"``, ``"cuda_flash"``
-            (:mod:`lightning_moe.parallel.attention_blocks`).
+            (:mod:`lightning_moe.parallel.context_parallel.blocks`).
         sinks: ``[H]`` attention sinks (GPT-OSS), one logit per query head in every softmax
-            denominator (:mod:`lightning_moe.parallel.lse_attention`).
+            denominator (:mod:`lightning_moe.parallel.context_parallel.lse`).
         window: sliding window ``W``: query ``i`` sees keys ``i - W < j <= i`` (global positions).
 
     Returns ``[B, H, S_local, Dv]`` in ``q``'s dtype. K/V travel with their own head count ``H_kv``.

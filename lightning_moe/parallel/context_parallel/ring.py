@@ -16,7 +16,7 @@ per pair of chunks from their positions: a pair wholly outside the window costs 
 step all of whose pairs are outside computes nothing, though its K/V still pass on), a pair partly
 inside gets a mask (the block kernels' ``mask``; on CUDA such blocks run the fp32 matmul kernel). Rows
 that see no key of a block merge with weight 0. Attention sinks (GPT-OSS) join the merged
-log-sum-exp once, after the last step (:mod:`lightning_moe.parallel.lse_attention`); the backward
+log-sum-exp once, after the last step (:mod:`lightning_moe.parallel.context_parallel.lse`); the backward
 then runs on the output and log-sum-exp with the sinks, and each rank's queries give the sinks their
 share of the gradient.
 
@@ -27,7 +27,7 @@ until it reaches its owner. The next hop is posted before the current block is c
 NCCL the exchange overlaps the kernel. K/V travel with their own (grouped-query) head count, the
 kernels see them repeated; gradients of K/V travel and accumulate in fp32.
 
-The block kernels (:mod:`lightning_moe.parallel.attention_blocks`) are the device's fused ones
+The block kernels (:mod:`lightning_moe.parallel.context_parallel.blocks`) are the device's fused ones
 where they apply (CUDA flash attention in bf16/fp16, PyTorch's fused CPU kernels), else fp32
 matmuls.
 """
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_moe.parallel.attention_blocks import masked_kernel, select_block_kernel
-from lightning_moe.parallel.lse_attention import add_sinks, sinks_grad, window_visible
+from lightning_moe.parallel.context_parallel.blocks import masked_kernel, select_block_kernel
+from lightning_moe.parallel.context_parallel.lse import add_sinks, sinks_grad, window_visible
 
 __all__ = ["ring_attention"]
 

@@ -1,6 +1,6 @@
 """Attention of a block of queries over a block of keys, returning the log-sum-exp: the ring's kernel.
 
-Ring attention (:mod:`lightning_moe.parallel.ring_attention`) attends over one K/V block at a time
+Ring attention (:mod:`lightning_moe.parallel.context_parallel.ring`) attends over one K/V block at a time
 and merges the partial results through their per-row log-sum-exp (LSE); its backward recomputes
 each block's gradients from the merged output and LSE, as flash attention does. Public SDPA does
 not return the LSE, so each kernel here is a forward that returns ``(out, lse, saved)`` and a
