@@ -69,7 +69,7 @@ from helpers.dist import run_distributed
 
 from lightning_moe import MoEConfig
 from lightning_moe.lit import MoELanguageModel
-from lightning_moe.lit.module import optimizer_param_groups, warmup_cosine
+from lightning_moe.lit.optimization import optimizer_param_groups, warmup_cosine
 from lightning_moe.models import MoETransformerConfig
 from lightning_moe.strategies import MoEStrategy
 

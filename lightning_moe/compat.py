@@ -1,24 +1,16 @@
 """Every private torch and Lightning API the product code relies on, one small function each.
 
 Private APIs change without deprecation, so each use lives here, named for what it does, with the
-version it was checked against (torch 2.13, Lightning 2.6; earlier versions are not claimed unless
-named): an upgrade that moves one breaks here, in one place, and the rest of the package calls a
-stable name. Lightning is imported
-inside the functions that need it: the core subpackages import this module and must run without
-Lightning (plain torchrun scripts).
-
-The planner's private torch classes (fake tensors, ``ModTracker``, ``TorchDispatchMode``...) are
+version it was checked against (torch 2.13, Lightning 2.6): an upgrade that moves one breaks here,
+in one place. Lightning and ``torch.distributed`` are imported inside the functions that need them,
+so the core subpackages (single-device ``layers/`` and ``memory/`` included) import this module
+without Lightning. The planner's private torch classes (fake tensors, ``ModTracker``...) are
 re-exported as they are, imported on first use (``_LAZY_NAMES``).
 
-Importing this module imports no ``torch.distributed`` module (those are imported inside the
-functions that use them), so the single-device ``layers/`` and ``memory/`` call it too.
-
 Deliberately not routed: ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules`` and
-``_non_persistent_buffers_set`` (read and assigned in a few places to swap tensors or children in
-place), and a LightningModule subclass reading its own ``_trainer`` (None outside a Trainer, where
-``self.trainer`` raises). torch documents ``register_buffer`` /
-``register_parameter`` around them and every major library relies on them; wrapping a dict
-lookup would hide what the code does without making an upgrade safer.
+``_non_persistent_buffers_set`` (assigned in a few places to swap tensors or children in place) and
+a LightningModule subclass reading its own ``_trainer``: every major library relies on them, and
+wrapping a dict lookup would hide what the code does without making an upgrade safer.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ batch is refused.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict
 from typing import Any
@@ -25,10 +24,11 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torchmetrics import Metric
 
 from lightning_moe.checkpoint.export_hf import MODEL_CONFIG_KEY, model_record
 from lightning_moe.data.token_check import check_token_ids, vocab_problem
+from lightning_moe.lit.optimization import adamw_kernel_options, optimizer_param_groups, warmup_cosine
+from lightning_moe.lit.token_metrics import TokenMeanLoss, TokenPerplexity
 from lightning_moe.lora import LoRAConfig, apply_lora, is_adapter_key
 from lightning_moe.lora.checkpoint import LORA_RECORD_KEY, adapter_state, base_fingerprint, base_mismatches
 from lightning_moe.models import MoETransformer, MoETransformerConfig
@@ -36,10 +36,7 @@ from lightning_moe.models.transformer import EMPTY_BATCH_HINT
 from lightning_moe.parallel.config_error import ConfigError
 from lightning_moe.parallel.context_parallel.apply import cp_token_mean
 
-__all__ = [
-    "MoELanguageModel", "OverrideValue", "TokenMeanLoss", "TokenPerplexity", "adamw_kernel_options", "check_batch",
-    "optimizer_param_groups",
-]
+__all__ = ["MoELanguageModel", "OverrideValue", "check_batch"]
 
 IGNORE_INDEX = -100
 
@@ -48,39 +45,6 @@ OverrideValue = _Scalar | list[_Scalar] | dict[str, _Scalar | list[_Scalar]]
 """A value of ``model_overrides``: plain data (a field, or a mapping of :class:`~lightning_moe.MoEConfig`
 fields for ``moe``), so a configuration parser never builds an object from it (no class is among
 its types) and it comes back from a checkpoint's hyperparameters as the same plain data."""
-
-
-def optimizer_param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: matrices (experts included) decay, vectors (norms, biases, expert bias) do not.
-
-    Built from ``named_parameters()`` and checked to cover every trainable parameter exactly once,
-    so no parameter (an expert shard, a router) can silently drop out of optimisation.
-    """
-    decay, no_decay = [], []
-    for name, param in module.named_parameters():
-        if not param.requires_grad:
-            continue
-        (decay if param.dim() >= 2 and "embed" not in name else no_decay).append(param)
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    if len(decay) + len(no_decay) != len(trainable):
-        raise RuntimeError(
-            f"Optimizer groups cover {len(decay) + len(no_decay)} of {len(trainable)} trainable parameters."
-        )
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def adamw_kernel_options(device_types: set[str]) -> dict[str, bool]:
-    """AdamW's kernel for parameters on ``device_types``: the fused kernel when all are on CUDA.
-
-    torch's default there, the foreach kernels, holds an fp32 temporary of every parameter of a
-    group at once during the step (4 bytes per parameter the rank holds: 21.75 GiB for
-    Mixtral-8x7B replicated at TP=8, EP=8, benchmarks/RESULTS.md); the fused kernel updates in
-    place. Elsewhere torch's default (the per-parameter loop on CPU) is kept.
-    """
-    return {"fused": True} if device_types == {"cuda"} else {}
 
 
 def check_batch(inputs: Tensor, targets: Tensor, stage: str, batch_idx: int) -> None:
@@ -96,50 +60,6 @@ def check_batch(inputs: Tensor, targets: Tensor, stage: str, batch_idx: int) -> 
             f"{stage} batch {batch_idx} is empty: inputs of shape {tuple(inputs.shape)}, targets of shape "
             f"{tuple(targets.shape)} ({inputs.shape[0]} samples of {inputs.shape[1]} tokens). {EMPTY_BATCH_HINT}"
         )
-
-
-class TokenMeanLoss(Metric):
-    """Mean loss per target token over every batch (and rank) seen, for ``val_loss``.
-
-    ``update(mean_loss, num_targets)`` adds one batch (0-d tensors) or several micro-batches (1-d
-    tensors of one length: each micro-batch's mean loss and targets). Weighting by the targets
-    kept, as the perplexity does, keeps a batch without any target (its loss is 0, see
-    :func:`~lightning_moe.models.transformer.next_token_loss`) from pulling the mean down, so
-    ``val_ppl`` is ``exp(val_loss)`` up to rounding. NaN only when no batch had a target.
-    """
-
-    full_state_update = False
-    higher_is_better = False
-    is_differentiable = False
-
-    loss_sum: Tensor
-    num_targets: Tensor
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("loss_sum", torch.zeros((), dtype=torch.float32), dist_reduce_fx="sum")
-        self.add_state("num_targets", torch.zeros((), dtype=torch.int64), dist_reduce_fx="sum")
-
-    def update(self, mean_loss: Tensor, num_targets: Tensor) -> None:
-        """Add one batch's mean loss over its ``num_targets`` targets, or several micro-batches' (1-d
-        tensors), as device tensors (no host read)."""
-        self.loss_sum += (mean_loss.detach().float() * num_targets).sum()
-        self.num_targets += num_targets.sum()
-
-    def compute(self) -> Tensor:
-        """The token-weighted mean loss (fp32; NaN when no batch had a target)."""
-        return self.loss_sum / self.num_targets
-
-
-class TokenPerplexity(TokenMeanLoss):
-    """``exp`` of :class:`TokenMeanLoss`, for ``val_ppl`` and ``test_ppl``: torchmetrics' ``Perplexity``
-    up to rounding, but from the losses, so it needs no logits (a pipeline's micro-batch losses are
-    all that reach every rank; tensor parallelism keeps the logits sharded over the vocabulary).
-    NaN only when no batch had a target."""
-
-    def compute(self) -> Tensor:
-        """``exp`` of the token-weighted mean loss (fp32)."""
-        return super().compute().exp()
 
 
 def _resolve_config(
@@ -175,14 +95,6 @@ def _materialises_meta_models(trainer) -> bool:
     from lightning_moe.strategies import MoEStrategy  # the strategies import lightning_moe.lit's neighbours
 
     return isinstance(trainer.strategy, MoEStrategy)
-
-
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Learning-rate multiplier: linear warm-up, then cosine decay to ``min_lr_ratio``."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class MoELanguageModel(L.LightningModule):

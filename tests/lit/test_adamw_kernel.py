@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_moe.lit.module import adamw_kernel_options
+from lightning_moe.lit.optimization import adamw_kernel_options
 
 
 @pytest.mark.parametrize(("devices", "options"), [

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_moe import MoEConfig
 from lightning_moe.lit import MoELanguageModel
-from lightning_moe.lit.module import optimizer_param_groups, warmup_cosine
+from lightning_moe.lit.optimization import optimizer_param_groups, warmup_cosine
 from lightning_moe.lora import LoRAConfig, is_adapter_key
 from lightning_moe.models import MoETransformerConfig
 from lightning_moe.strategies import MoEStrategy

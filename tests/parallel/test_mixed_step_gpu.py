@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_moe import MoEConfig
-from lightning_moe.lit.module import optimizer_param_groups
+from lightning_moe.lit.optimization import optimizer_param_groups
 from lightning_moe.models import MoETransformer, MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, allow_mixed_tensors, build_parallel_context, parallelize
 

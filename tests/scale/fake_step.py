@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mod_tracker import ModTracker
 
 from lightning_moe.layers import expert_kernels
-from lightning_moe.lit.module import adamw_kernel_options
+from lightning_moe.lit.optimization import adamw_kernel_options
 from lightning_moe.models import MoETransformerConfig
 from lightning_moe.parallel import ParallelDims, allow_mixed_tensors
 from lightning_moe.parallel.grad_sync import GradSync

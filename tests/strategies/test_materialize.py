@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_moe import MoEConfig, MoELayer
-from lightning_moe.lit.module import TokenMeanLoss
+from lightning_moe.lit.token_metrics import TokenMeanLoss
 from lightning_moe.strategies.model_setup import materialize
 
 CONFIG = MoEConfig(8, 4, 4, top_k=2)
