@@ -21,7 +21,7 @@ from torch import nn
 from lightning_moe import MoEConfig
 from lightning_moe.memory import apply_selective_recompute
 from lightning_moe.models import Attention, CoreAttention, MoETransformer, MoETransformerConfig
-from lightning_moe.parallel import lse_attention
+from lightning_moe.parallel.context_parallel import lse as lse_attention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ = 32, 4, 2, 8, 12
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from helpers.dist import run_distributed
 from torch import Tensor
 
-from lightning_moe.parallel import attention_blocks
+from lightning_moe.parallel.context_parallel import blocks as attention_blocks
 from lightning_moe.parallel.context_parallel import (
     context_parallel_attention,
     load_balanced_positions,
