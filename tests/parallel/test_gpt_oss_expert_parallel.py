@@ -6,7 +6,8 @@ runs its own tokens; the oracle is the one-device layer on the gathered batch
 all ranks, expert gradients summed over expert-DP against the rank's block of the one-device
 gradients (the fc1 bias ``[E, 2, F]`` cut on F like fc1's gate and up rows; the fc2 bias ``[E, H]``
 whole on every ETP rank, which only ETP rank 0 adds to its partial output), and the state dict's
-global fc1 and fc2 biases. Under ``FULL_SHARD`` (FSDP2) the gradients come reduced over the
+global fc1 and fc2 biases. Dispatcher: all-to-all, and at ETP2 x EP2 also allgather and flex (each
+sums the ETP ranks' partial outputs its own way). Under ``FULL_SHARD`` (FSDP2) the gradients come reduced over the
 data-parallel ranks and divided by their number: multiplied back, they are compared the same way.
 """
 
@@ -39,13 +40,15 @@ pytestmark = pytest.mark.distributed
 
 HIDDEN, FFN, NUM_EXPERTS, TOP_K = 16, 8, 8, 2
 TOKENS = {2: (5, 9), 4: (5, 9, 4, 7)}
-LAYOUTS = {
-    "ep2": (2, {"ep": 2}, "NO_SHARD"),
-    "ep4": (4, {"ep": 4}, "NO_SHARD"),
-    "etp2": (2, {"ep": 1, "etp": 2}, "NO_SHARD"),
-    "etp2-ep2": (4, {"ep": 2, "etp": 2}, "NO_SHARD"),
-    "etp2-full-shard": (2, {"ep": 1, "etp": 2}, "FULL_SHARD"),
-    "etp2-ep2-full-shard": (4, {"ep": 2, "etp": 2}, "FULL_SHARD"),
+LAYOUTS = {  # name: (world, layout, sharding strategy, dispatcher)
+    "ep2": (2, {"ep": 2}, "NO_SHARD", "alltoall"),
+    "ep4": (4, {"ep": 4}, "NO_SHARD", "alltoall"),
+    "etp2": (2, {"ep": 1, "etp": 2}, "NO_SHARD", "alltoall"),
+    "etp2-ep2": (4, {"ep": 2, "etp": 2}, "NO_SHARD", "alltoall"),
+    "etp2-ep2-allgather": (4, {"ep": 2, "etp": 2}, "NO_SHARD", "allgather"),
+    "etp2-ep2-flex": (4, {"ep": 2, "etp": 2}, "NO_SHARD", "flex"),
+    "etp2-full-shard": (2, {"ep": 1, "etp": 2}, "FULL_SHARD", "alltoall"),
+    "etp2-ep2-full-shard": (4, {"ep": 2, "etp": 2}, "FULL_SHARD", "alltoall"),
 }
 LIMIT = 0.8  # small enough that the clamps act on some features at INIT_STD
 LAUNCH_TIMEOUT_S = 120.0
@@ -70,7 +73,7 @@ def _whole(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if isinstance(grad, DTensor) else grad.detach().clone()
 
 
-def _rank(rank: int, world: int, layout: dict, sharding: str, kernels: list[str]) -> list:
+def _rank(rank: int, world: int, layout: dict, sharding: str, dispatcher: str, kernels: list[str]) -> list:
     ctx = build_parallel_context(ParallelDims(world, **layout), "cpu")
     ep_size, etp_size = ctx.size("ep"), ctx.size("etp")
     ep_rank, etp_rank = ctx.rank_in("ep"), ctx.rank_in("etp")
@@ -91,7 +94,7 @@ def _rank(rank: int, world: int, layout: dict, sharding: str, kernels: list[str]
         layer = copy.deepcopy(ref)
         layer.experts.kernel = kernel
         # Inside a container: FSDP2 makes the layer a unit of its own and the container the root.
-        model = parallelize(torch.nn.Sequential(layer), ctx, dispatcher="alltoall", sharding_strategy=sharding)
+        model = parallelize(torch.nn.Sequential(layer), ctx, dispatcher=dispatcher, sharding_strategy=sharding)
 
         counts = TOKENS[world]
         xs = make_tokens([(c,) for c in counts], seed + 1, HIDDEN)
@@ -135,9 +138,10 @@ def _rank(rank: int, world: int, layout: dict, sharding: str, kernels: list[str]
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_gpt_oss_moe_matches_single_device(layout_name, tmp_path):
-    world, layout, sharding = LAYOUTS[layout_name]
+    world, layout, sharding, dispatcher = LAYOUTS[layout_name]
     per_rank = run_distributed(
-        _rank, world, layout, sharding, ["loop", "grouped_mm"], timeout_s=LAUNCH_TIMEOUT_S, tmp_dir=tmp_path
+        _rank, world, layout, sharding, dispatcher, ["loop", "grouped_mm"], timeout_s=LAUNCH_TIMEOUT_S,
+        tmp_dir=tmp_path,
     )
     tolerances = {"out": FP32_OUT_TOL, "grad": FP32_GRAD_TOL}
     failures = []
