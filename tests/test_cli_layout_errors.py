@@ -135,15 +135,21 @@ def test_layouts_the_suite_trains_with_pass():
     check_model_layout(meta_copy(UserMoELM()), ParallelDims(2, tp=2, ep=2, etp=1))
 
 
+def test_fc2_bias_passes_at_every_expert_tensor_parallel_size():
+    model = meta_copy(_reference(moe={"fc2_bias": True}))
+    for etp in (1, 2, 4):
+        check_model_layout(model, ParallelDims(4, ep=4 // etp, etp=etp))
+
+
 def test_every_problem_is_reported_once():
     model = meta_copy(_reference(num_kv_heads=1, moe={"num_experts": 6, "ffn_hidden_size": 63, "fc2_bias": True}))
     dims = ParallelDims(8, tp=2, ep=4, etp=2)
     problems = layout_problems(model, dims)
-    assert len(problems) == 4, problems  # two MoE layers, each problem once
+    # fc2_bias is no problem at ETP=2 (one ETP rank adds it): three problems, none about the bias.
+    assert len(problems) == 3, problems  # two MoE layers, each problem once
     assert problems[0].startswith("num_experts=6 is not divisible by ep=4")
     assert problems[1].startswith("ffn_hidden_size=63 is not divisible by the expert tensor parallel size 2")
-    assert problems[2].startswith("fc2_bias=True needs expert_tensor_parallel_size=1")
-    assert problems[3].startswith("Tensor parallel size 2 must divide num_kv_heads=1")
+    assert problems[2].startswith("Tensor parallel size 2 must divide num_kv_heads=1")
     with pytest.raises(LayoutError, match=r"(?s)cannot be sharded on world 8: .*\n  - num_experts=6.*\n  - ffn_hidden"):
         check_model_layout(model, dims)
 

@@ -16,6 +16,11 @@ which also loads older ``[E, 2F, H]`` checkpoints).
 
 Expert-tensor parallelism shards fc1 by columns (its gate rows and its up rows separately) and
 fc2 by rows, so each rank's block is a slice of these tensors; ``ffn_shard`` records which one.
+Each rank's fc2 output is then a partial sum over its F block, summed over the ETP group by the
+dispatcher, while ``fc2_bias`` is held whole by every rank: only the rank with ``adds_fc2_bias``
+adds it (the others tie it into their graph with a zero gradient), and ``replicated_grad_sum``,
+given by the parallel package, sums its gradient over the group where it is used, so every rank
+holds the one-device gradient (this module itself never communicates).
 
 Two kernels compute the same function (probs multiply the activation output, before fc2):
 
@@ -145,6 +150,25 @@ class WeightCastCache:
         self._entries.clear()
 
 
+class _ZeroGradUse(torch.autograd.Function):
+    """``out`` unchanged, with ``unused`` in its graph receiving a zero gradient.
+
+    A rank that holds a tensor but does not use it still has to reach the backward of whatever
+    ``unused`` went through (a gradient sum over the ranks that all of them must join).
+    """
+
+    @staticmethod
+    def forward(ctx, out, unused):
+        ctx.unused = (unused.shape, unused.dtype, unused.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.unused
+        unused_grad = torch.zeros(shape, dtype=dtype, device=device) if ctx.needs_input_grad[1] else None
+        return grad, unused_grad
+
+
 def expert_generator(layer_seed: int, global_expert: int) -> torch.Generator:
     """The CPU generator that initialises global expert ``global_expert`` of a layer.
 
@@ -215,6 +239,14 @@ class GroupedExperts(nn.Module):
         the boundary the given tensors belong to when saved for backward (``"expert_fc1"``: the
         expert input rows; None: routing metadata such as probs and row indices). Everything else
         the experts save (the fc1 output and activation products) belongs to ``"moe_act"``."""
+        self.adds_fc2_bias = True
+        """This rank adds ``fc2_bias`` to its output. Under expert-tensor parallelism every rank's
+        output is a partial sum over its F block, summed over the ETP group afterwards, so
+        ``lightning_moe.parallel`` leaves this True on ETP rank 0 only (the bias is added once)."""
+        self.replicated_grad_sum: Callable[[Tensor], Tensor] | None = None
+        """Applied to ``fc2_bias`` where it is used: the identity, whose backward sums the gradient
+        over the ranks holding the same whole tensor (set by ``lightning_moe.parallel`` under
+        expert-tensor parallelism; None: the gradient is whole already)."""
         self._param_tags: dict[str, dict[str, object]] = {}
         self.grad_workspace: ExpertGradWorkspace | None = ExpertGradWorkspace()
         """Reuse the weight-gradient memory across steps (loop kernel); None allocates fresh each time."""
@@ -407,20 +439,24 @@ class GroupedExperts(nn.Module):
         # Sizes of a declared permutation are checked by expert_mlp, or by gather_rows/scatter_rows.
         permutation = bool(row_index_is_permutation) and row_index is not None
         fc1, fc2 = self._compute_weights(cdt, whole=kernel != "loop")
+        fc2_bias = self.fc2_bias_in_use()
         tag = self.saved_tensor_tagger
         if tag is not None:
             tag("expert_fc1", (tokens,))
             tag(None, (probs,) if row_index is None else (probs, row_index))
             # Cast copies of the weights are parameters in all but name: never offloaded.
             tag(None, tuple(w for w, name in zip((fc1, fc2), _WEIGHTS) if w is not getattr(self, name)))
+            if fc2_bias is not self.fc2_bias:
+                tag(None, (fc2_bias,))  # the bias through its gradient sum: a parameter too
         if kernel == "loop":
-            return expert_mlp(
+            out = expert_mlp(
                 tokens, fc1, fc2, probs, host_counts(tokens_per_expert),
-                activation=self.activation, fc2_bias=self.fc2_bias, row_index=row_index,
+                activation=self.activation, fc2_bias=fc2_bias if self.adds_fc2_bias else None, row_index=row_index,
                 fc1_bias=self.flat_fc1_bias(), activation_params=self.activation_params,
                 num_out_rows=num_out_rows, save_activation=not self._recomputes(device),
                 grad_workspace=self.grad_workspace, compute_dtype=cdt, row_index_is_permutation=permutation,
             )
+            return out if fc2_bias is None or self.adds_fc2_bias else _ZeroGradUse.apply(out, fc2_bias)
         # Explicit dtypes throughout: autocast would recast some of the ops below, not grouped_mm.
         with autocast_disabled(device):
             # Gathered in the input's dtype, so the input gradient is summed per token in it.
@@ -428,11 +464,34 @@ class GroupedExperts(nn.Module):
             rows = rows.to(cdt)
             if tag is not None:
                 tag("expert_fc1", (rows,))
-            out = self._grouped_mm(rows, tokens_per_expert, probs, fc1, fc2)
+            out = self._grouped_mm(rows, tokens_per_expert, probs, fc1, fc2, fc2_bias)
             if row_index is None:
                 return out.to(tokens.dtype)
             out = scatter_rows(out, row_index, num_out_rows, permutation, dtype=accumulation_dtype(cdt))
             return out.to(tokens.dtype)
+
+    def fc2_bias_in_use(self) -> Tensor | None:
+        """``fc2_bias`` as the kernels use it: through ``replicated_grad_sum`` when set (None without a bias).
+
+        Called once per forward on every rank, ``adds_fc2_bias`` or not, and before the expert
+        GEMMs: the gradient sums then run at the same point of every rank's backward.
+        """
+        if self.fc2_bias is None or self.replicated_grad_sum is None:
+            return self.fc2_bias
+        return self.replicated_grad_sum(self.fc2_bias)
+
+    def add_fc2_bias(self, out: Tensor, probs: Tensor, expert_of_row: Tensor | None, fc2_bias: Tensor | None) -> Tensor:
+        """``out`` ``[N, H]`` plus ``probs * fc2_bias[expert]`` of each row on the rank that adds the bias.
+
+        ``probs`` is ``[N, 1]``, ``expert_of_row`` the local expert of every row and ``fc2_bias``
+        :meth:`fc2_bias_in_use`'s tensor (None: ``out`` unchanged). Without ``adds_fc2_bias`` the
+        bias is only kept in the graph, with a zero gradient.
+        """
+        if fc2_bias is None:
+            return out
+        if not self.adds_fc2_bias:
+            return _ZeroGradUse.apply(out, fc2_bias)
+        return out + (probs * fc2_bias[expert_of_row]).to(out.dtype)
 
     def flat_fc1_bias(self) -> Tensor | None:
         """``fc1_bias`` as ``[E, F1]`` rows matching fc1's stored rows (``[gate ; up]``): a view."""
@@ -444,7 +503,8 @@ class GroupedExperts(nn.Module):
         return torch.searchsorted(offsets, positions, right=True)
 
     def _grouped_mm(
-        self, rows: Tensor, tokens_per_expert: Sequence[int] | Tensor, probs: Tensor, fc1: Tensor, fc2: Tensor
+        self, rows: Tensor, tokens_per_expert: Sequence[int] | Tensor, probs: Tensor, fc1: Tensor, fc2: Tensor,
+        fc2_bias: Tensor | None,
     ) -> Tensor:
         if not _HAS_GROUPED_MM:
             raise RuntimeError(
@@ -457,7 +517,7 @@ class GroupedExperts(nn.Module):
             tag(None, (offsets,))
         p = probs.unsqueeze(-1)
         expert_of_row = None
-        if self.fc1_bias is not None or self.fc2_bias is not None:
+        if self.fc1_bias is not None or (self.fc2_bias is not None and self.adds_fc2_bias):
             expert_of_row = self.row_experts(offsets, rows.shape[0])
             if tag is not None:
                 tag(None, (expert_of_row,))
@@ -469,6 +529,4 @@ class GroupedExperts(nn.Module):
         else:
             z = (activation_fn(self.activation, **self.activation_params)(h) * p).to(rows.dtype)
             out = F.grouped_mm(z, fc2.transpose(-2, -1), offs=offsets)
-        if self.fc2_bias is not None:
-            out = out + (p * self.fc2_bias[expert_of_row]).to(out.dtype)
-        return out
+        return self.add_fc2_bias(out, p, expert_of_row, fc2_bias)

@@ -248,6 +248,7 @@ class LoRAGroupedExperts(GroupedExperts):
             if tag is not None:
                 tag(None, (offsets,))
             s, group = self.lora_scale, self.partial_grad_group
+            fc2_bias = self.fc2_bias_in_use()
             expert_of_row = None
             if self.fc1_bias is not None or self.fc2_bias is not None:
                 expert_of_row = self.row_experts(offsets, rows.shape[0])
@@ -259,8 +260,7 @@ class LoRAGroupedExperts(GroupedExperts):
             z = (activation_fn(self.activation, **self.activation_params)(h) * p).to(cdt)
             out = _grouped(z, fc2, offsets)
             out = out + grouped_lora(self._adapter_input(z), self.fc2_lora_A, sum_grad(self.fc2_lora_B, group), offsets, s)
-            if self.fc2_bias is not None:
-                out = out + (p * self.fc2_bias[expert_of_row]).to(out.dtype)
+            out = self.add_fc2_bias(out, p, expert_of_row, fc2_bias)
             if row_index is None:
                 return out.to(tokens.dtype)
             out = scatter_rows(out, row_index, num_out_rows, permutation, dtype=accumulation_dtype(cdt))

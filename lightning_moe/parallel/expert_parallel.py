@@ -19,10 +19,16 @@ docs/architecture.md §6 with *global* shapes:
 So a checkpoint written at one EP/ETP size loads at another, and a single-file state dict of the
 one-device model loads into a sharded one. Expert parameters are tagged (:func:`is_expert_param`)
 so gradient synchronisation reduces them over the expert-data-parallel group instead of DP.
+
+Under ETP ``fc2_bias`` is held whole by every ETP rank: only ETP rank 0 adds it to its partial fc2
+output (``GroupedExperts.adds_fc2_bias``) and its gradient is summed over ETP where the experts use
+it (``GroupedExperts.replicated_grad_sum``), so it is added once and every rank holds the
+one-device gradient.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,6 +40,7 @@ from lightning_moe.layers.activations import is_gated
 from lightning_moe.layers.expert_state import fc1_checkpoint_shape, fc1_checkpoint_view, fc1_from_checkpoint
 from lightning_moe.layers.moe import MoELayer
 from lightning_moe.layers.router import RouterReduction
+from lightning_moe.parallel.collectives import sum_grad
 from lightning_moe.parallel.dispatchers import check_dispatcher, make_dispatcher
 from lightning_moe.parallel.layout.check import expert_layer_problems
 from lightning_moe.parallel.layout.groups import ParallelContext
@@ -317,6 +324,11 @@ def _shard_experts(layer: MoELayer, ctx: ParallelContext) -> None:
     # experts module sums them over this group where it uses them (a module attribute, unlike a
     # tensor hook on the parameter, survives materialisation and FSDP2's unsharded copies).
     experts.partial_grad_group = ctx.group("etp") if etp > 1 else None
+    # fc2_bias is such a tensor, added to the output by one ETP rank only: the others' partial fc2
+    # outputs are summed with its output, so adding it everywhere would count it ETP times. Its
+    # gradient is whole on that rank and zero on the others; the sum gives every rank the whole.
+    experts.adds_fc2_bias = ctx.rank_in("etp") == 0
+    experts.replicated_grad_sum = functools.partial(sum_grad, group=ctx.group("etp")) if etp > 1 else None
     experts.sharded_state_dict = True  # these hooks present fc1 in either layout; the one-device ones stand aside
     hooks = _ExpertStateDictHooks(ExpertStateConverter(ctx))
     # Plain functions: torch tags public hooks with an attribute, which bound methods cannot take.

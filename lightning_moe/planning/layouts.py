@@ -117,9 +117,9 @@ def valid_layouts(
     PP, TP, CP, ETP, EP, then ``sharding_strategies``' order.
 
     Kept, by the package's own checks: the layout folds (``ParallelDims``); the experts split over
-    EP and, when given, ``expert_ffn_hidden_size`` over ETP, and ``fc2_bias`` only without ETP
-    (:func:`~lightning_moe.parallel.layout.check.expert_layer_problems`); under TP the heads, the
-    key/value heads and, when given, ``vocab_size`` and the dense ``ffn_hidden_size`` divide by TP,
+    EP and, when given, ``expert_ffn_hidden_size`` over ETP
+    (:func:`~lightning_moe.parallel.layout.check.expert_layer_problems`; ``fc2_bias`` restricts no
+    layout, since one ETP rank adds it); under TP the heads, the key/value heads and, when given, ``vocab_size`` and the dense ``ffn_hidden_size`` divide by TP,
     without ``tie_embeddings`` (``apply_tensor_parallel``'s check); ``seq_len`` is a multiple of
     :func:`~lightning_moe.cli_checks.sequence_multiple` (CP chunks, TP slices); under PP the
     ``num_layers`` blocks fill ``PP x virtual stages`` stages

@@ -207,6 +207,7 @@ class Float8GroupedExperts(GroupedExperts):
         counts = list(tokens_per_expert)
         rows = tokens if row_index is None else tokens.index_select(0, row_index)
         p = probs.unsqueeze(-1)
+        fc2_bias = self.fc2_bias_in_use()
         expert_of_row = None
         if self.fc1_bias is not None or self.fc2_bias is not None:
             expert_of_row = self.row_experts(group_offsets(counts, rows.device), rows.shape[0])
@@ -216,8 +217,7 @@ class Float8GroupedExperts(GroupedExperts):
             h = h + self.flat_fc1_bias()[expert_of_row].to(h.dtype)
         z = (activation_fn(self.activation, **self.activation_params)(h) * p).to(rows.dtype)
         out = float8_grouped_linear(z, self.fc2_weight, counts, self.fp8_recipe, self.fp8_impl)
-        if self.fc2_bias is not None:
-            out = out + (p * self.fc2_bias[expert_of_row]).to(out.dtype)
+        out = self.add_fc2_bias(out, p, expert_of_row, fc2_bias)
         if row_index is None:
             return out
         return out.new_zeros(num_out_rows, out.shape[1]).index_add(0, row_index, out)

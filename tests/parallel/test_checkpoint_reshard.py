@@ -80,7 +80,7 @@ smallest move (router) is ~1e-3, parallel-vs-single-device differences ~1e-8."""
 
 class TwoMoE(nn.Module):
     """Two residual MoE layers (swiglu). Variant ``fc2_bias=True``: layer 0 has an expert fc2 bias
-    (which needs ETP=1); layer 1 always has no bias and a gated shared expert."""
+    (whole on every ETP rank); layer 1 always has no bias and a gated shared expert."""
 
     def __init__(self, fc2_bias: bool) -> None:
         super().__init__()
@@ -270,8 +270,8 @@ def _save_on_four(rank: int, world_size: int, ckpt_etp2: str) -> dict:
 
 
 def _reshard_on_four(rank: int, world_size: int, ckpts: dict, saved: dict) -> str:
-    # EP=2 -> EP=4 and EP=2 with expert-DP=2 (fc2_bias variant, ETP=1 only).
-    for layout in ({"ep": 4}, {"ep": 2}):
+    # fc2_bias variant: EP=2 -> EP=4, EP=2 with expert-DP=2, and ETP=2 / ETP=4 (the bias whole on each ETP rank).
+    for layout in ({"ep": 4}, {"ep": 2}, {"ep": 2, "etp": 2}, {"etp": 4}):
         _load_checkpoint(True, layout, ckpts["bias"], saved["bias"])
     # ETP=1 -> ETP=2, ETP=4 (EP=1), and ETP=2 -> EP=4 / ETP=4.
     for layout in ({"ep": 2, "etp": 2}, {"etp": 4}, {"ep": 4}):
@@ -285,13 +285,15 @@ def _reshard_on_two(rank: int, world_size: int, ckpts: dict, saved: dict) -> str
     # ETP=2 (4 ranks) -> EP=2, ETP=1 and EP=1, ETP=2; and the same layout round trip.
     for layout in ({"ep": 2}, {"etp": 2}):
         _load_checkpoint(False, layout, ckpts["etp2"], saved["etp2"])
-    _load_checkpoint(True, {"ep": 2}, ckpts["bias"], saved["bias"])
+    for layout in ({"ep": 2}, {"etp": 2}):
+        _load_checkpoint(True, layout, ckpts["bias"], saved["bias"])
     return "ok"
 
 
 def _plain_loads(rank: int, world_size: int, saved: dict) -> str:
     if world_size == 4:
         _load_plain(True, {"ep": 4}, saved["bias"])
+        _load_plain(True, {"ep": 2, "etp": 2}, saved["bias"])
         _load_plain(False, {"ep": 2, "etp": 2}, saved["etp1"])
         _load_plain(False, {"etp": 4}, saved["etp2"])
         _load_other_dtensors(False, {"ep": 2, "etp": 2}, saved["etp1"])
@@ -377,13 +379,15 @@ def test_load_on_one_device_without_process_group(checkpoints, name, tmp_path):
 
 
 def test_reshard_on_four_ranks(checkpoints, tmp_path):
-    """EP=2 -> EP=4 / EP=2 x EDP=2; ETP=1 <-> ETP=2; ETP=1 or 2 -> EP=1 x ETP=4 and EP=4."""
+    """EP=2 -> EP=4 / EP=2 x EDP=2; ETP=1 <-> ETP=2; ETP=1 or 2 -> EP=1 x ETP=4 and EP=4; the fc2-bias
+    variant from EP=2 to EP=2 x ETP=2 and ETP=4 too."""
     paths, _, saved = checkpoints
     assert run_distributed(_reshard_on_four, 4, paths, saved, tmp_dir=tmp_path) == ["ok"] * 4
 
 
 def test_reshard_on_two_ranks(checkpoints, tmp_path):
-    """ETP=2 (saved on 4 ranks) -> EP=2 x ETP=1 and EP=1 x ETP=2; EP=2 -> EP=2 round trip."""
+    """ETP=2 (saved on 4 ranks) -> EP=2 x ETP=1 and EP=1 x ETP=2; the fc2-bias variant EP=2 -> EP=2
+    round trip and EP=2 -> ETP=2."""
     paths, _, saved = checkpoints
     assert run_distributed(_reshard_on_two, 2, paths, saved, tmp_dir=tmp_path) == ["ok"] * 2
 

@@ -752,13 +752,22 @@ def _small_layer(**overrides):
             {},
             r"ffn_hidden_size=8 is not divisible by the expert tensor parallel size 3",
         ),
-        (4, {"ep": 2, "etp": 2}, {"fc2_bias": True}, r"fc2_bias=True needs expert_tensor_parallel_size=1"),
     ],
 )
 def test_invalid_layouts_raise(fake_context, world, layout, overrides, match):
     ctx = fake_context(world, **layout)
     with pytest.raises(ValueError, match=match):
         parallelize(_small_layer(**overrides), ctx)
+
+
+def test_fc2_bias_is_added_by_etp_rank_zero_only(fake_context):
+    # Rank 0 is ETP rank 0 of its group: it adds the bias, and the bias's
+    # gradient is summed over ETP. The other ranks' side is run by the GPT-OSS parity tests.
+    layer = parallelize(_small_layer(fc2_bias=True), fake_context(4, ep=2, etp=2))
+    assert layer.experts.adds_fc2_bias and layer.experts.replicated_grad_sum is not None
+    assert layer.experts.fc2_bias.shape == (NUM_EXPERTS // 2, layer.config.hidden_size)  # not cut over ETP
+    one = parallelize(_small_layer(fc2_bias=True), fake_context(2, ep=2))
+    assert one.experts.adds_fc2_bias and one.experts.replicated_grad_sum is None
 
 
 def test_parallelize_twice_raises(fake_context):

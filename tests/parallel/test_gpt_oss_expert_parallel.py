@@ -4,8 +4,11 @@ Each rank builds the one-device layer from a seed (biases made non-zero), parall
 runs its own tokens; the oracle is the one-device layer on the gathered batch
 (:mod:`parallel.ep_oracles`). Compared: output rows, input gradient, router gradients summed over
 all ranks, expert gradients summed over expert-DP against the rank's block of the one-device
-gradients (the fc1 bias ``[E, 2, F]`` cut on F like fc1's gate and up rows), and the state dict's
-global fc1 bias. ``fc2_bias`` needs ETP = 1, so the ETP layout runs without it.
+gradients (the fc1 bias ``[E, 2, F]`` cut on F like fc1's gate and up rows; the fc2 bias ``[E, H]``
+whole on every ETP rank, which only ETP rank 0 adds to its partial output), and the state dict's
+global fc1 and fc2 biases. Dispatcher: all-to-all, and at ETP2 x EP2 also allgather and flex (each
+sums the ETP ranks' partial outputs its own way). Under ``FULL_SHARD`` (FSDP2) the gradients come reduced over the
+data-parallel ranks and divided by their number: multiplied back, they are compared the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from parallel.ep_oracles import (
     run_reference,
     split_rows,
 )
+from torch.distributed.tensor import DTensor
 
 from lightning_moe.layers.config import MoEConfig
 from lightning_moe.parallel import ParallelDims, build_parallel_context, parallelize
@@ -36,15 +40,24 @@ pytestmark = pytest.mark.distributed
 
 HIDDEN, FFN, NUM_EXPERTS, TOP_K = 16, 8, 8, 2
 TOKENS = {2: (5, 9), 4: (5, 9, 4, 7)}
-LAYOUTS = {"ep2": (2, {"ep": 2}), "ep4": (4, {"ep": 4}), "etp2": (2, {"ep": 1, "etp": 2})}
+LAYOUTS = {  # name: (world, layout, sharding strategy, dispatcher)
+    "ep2": (2, {"ep": 2}, "NO_SHARD", "alltoall"),
+    "ep4": (4, {"ep": 4}, "NO_SHARD", "alltoall"),
+    "etp2": (2, {"ep": 1, "etp": 2}, "NO_SHARD", "alltoall"),
+    "etp2-ep2": (4, {"ep": 2, "etp": 2}, "NO_SHARD", "alltoall"),
+    "etp2-ep2-allgather": (4, {"ep": 2, "etp": 2}, "NO_SHARD", "allgather"),
+    "etp2-ep2-flex": (4, {"ep": 2, "etp": 2}, "NO_SHARD", "flex"),
+    "etp2-full-shard": (2, {"ep": 1, "etp": 2}, "FULL_SHARD", "alltoall"),
+    "etp2-ep2-full-shard": (4, {"ep": 2, "etp": 2}, "FULL_SHARD", "alltoall"),
+}
 LIMIT = 0.8  # small enough that the clamps act on some features at INIT_STD
 LAUNCH_TIMEOUT_S = 120.0
 
 
-def _config(etp: int) -> MoEConfig:
+def _config() -> MoEConfig:
     return MoEConfig(
         hidden_size=HIDDEN, ffn_hidden_size=FFN, num_experts=NUM_EXPERTS, top_k=TOP_K, init_std=INIT_STD,
-        activation="clamped_swiglu", activation_limit=LIMIT, fc1_bias=True, router_bias=True, fc2_bias=etp == 1,
+        activation="clamped_swiglu", activation_limit=LIMIT, fc1_bias=True, router_bias=True, fc2_bias=True,
     )
 
 
@@ -55,14 +68,23 @@ def _bias_block(full: torch.Tensor, ep_rank: int, num_local: int, etp_rank: int,
     return experts[..., etp_rank * block : (etp_rank + 1) * block]
 
 
-def _rank(rank: int, world: int, layout: dict, kernels: list[str]) -> list:
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient block whole: FSDP2's gradient DTensor gathered over its data-parallel mesh."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad.detach().clone()
+
+
+def _rank(rank: int, world: int, layout: dict, sharding: str, dispatcher: str, kernels: list[str]) -> list:
     ctx = build_parallel_context(ParallelDims(world, **layout), "cpu")
     ep_size, etp_size = ctx.size("ep"), ctx.size("etp")
     ep_rank, etp_rank = ctx.rank_in("ep"), ctx.rank_in("etp")
     num_local = NUM_EXPERTS // ep_size
     rows = []
+    # FSDP2 sums the gradients over the data-parallel ranks (expert-DP for the experts) and divides
+    # by the dense data-parallel size; NO_SHARD leaves the local gradients, summed here instead.
+    fsdp = sharding != "NO_SHARD"
+    scale = ctx.size("dp_cp") if fsdp else 1
     for seed, kernel in enumerate(kernels):
-        config = _config(etp_size)
+        config = _config()
         ref = build_reference(config, seed)
         gen = torch.Generator().manual_seed(seed + 100)
         with torch.no_grad():
@@ -71,13 +93,14 @@ def _rank(rank: int, world: int, layout: dict, kernels: list[str]) -> list:
                     param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
         layer = copy.deepcopy(ref)
         layer.experts.kernel = kernel
-        parallelize(layer, ctx, dispatcher="alltoall")
+        # Inside a container: FSDP2 makes the layer a unit of its own and the container the root.
+        model = parallelize(torch.nn.Sequential(layer), ctx, dispatcher=dispatcher, sharding_strategy=sharding)
 
         counts = TOKENS[world]
         xs = make_tokens([(c,) for c in counts], seed + 1, HIDDEN)
         dys = make_tokens([(c,) for c in counts], seed + 2, HIDDEN)
         x = xs[rank].clone().requires_grad_()
-        y = layer(x)
+        y = model(x)
         y.backward(dys[rank])
         y_all, gx_all = run_reference(ref, xs, dys)
         ref_grads = layer_grads(ref)
@@ -88,7 +111,7 @@ def _rank(rank: int, world: int, layout: dict, kernels: list[str]) -> list:
 
         close("output", "out", y, split_rows(y_all, list(counts), rank))
         close("input grad", "grad", x.grad, split_rows(gx_all, list(counts), rank))
-        for name, param in layer.named_parameters():
+        for name, param in model[0].named_parameters():
             if name.startswith("experts."):
                 short = name.split(".", 1)[1]
                 if short == "fc1_bias":
@@ -96,24 +119,29 @@ def _rank(rank: int, world: int, layout: dict, kernels: list[str]) -> list:
                 else:
                     gated = short == "fc1_weight"
                     expected = expert_block(ref_grads[name], short, ep_rank, num_local, etp_rank, etp_size, gated)
-                summed = param.grad.detach().clone()
-                dist.all_reduce(summed, group=ctx.group("edp"))
+                summed = _whole(param.grad) * scale
+                if not fsdp:
+                    dist.all_reduce(summed, group=ctx.group("edp"))
                 close(f"{name} grad", "grad", summed, expected)
             else:
-                summed = param.grad.detach().clone()
-                dist.all_reduce(summed)
+                summed = _whole(param.grad) * scale
+                if not fsdp:
+                    dist.all_reduce(summed)
                 close(f"{name} grad", "grad", summed, ref_grads[name])
-        state = layer.state_dict()["experts.fc1_bias"]
-        rows.append((kernel, "state-dict fc1 bias is global", "exact",
-                     bool(torch.equal(state.full_tensor(), ref.experts.fc1_bias.detach())), True))
+        state = model[0].state_dict()
+        for bias in ("fc1_bias", "fc2_bias"):
+            rows.append((kernel, f"state-dict {bias} is global", "exact",
+                         bool(torch.equal(state[f"experts.{bias}"].full_tensor(), getattr(ref.experts, bias).detach())),
+                         True))
     return rows
 
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_gpt_oss_moe_matches_single_device(layout_name, tmp_path):
-    world, layout = LAYOUTS[layout_name]
+    world, layout, sharding, dispatcher = LAYOUTS[layout_name]
     per_rank = run_distributed(
-        _rank, world, layout, ["loop", "grouped_mm"], timeout_s=LAUNCH_TIMEOUT_S, tmp_dir=tmp_path
+        _rank, world, layout, sharding, dispatcher, ["loop", "grouped_mm"], timeout_s=LAUNCH_TIMEOUT_S,
+        tmp_dir=tmp_path,
     )
     tolerances = {"out": FP32_OUT_TOL, "grad": FP32_GRAD_TOL}
     failures = []

@@ -30,8 +30,7 @@ def admitted(world: int, tp: int, cp: int, pp: int, ep: int, etp: int, sharding:
         return False
     if m.get("expert_ffn_hidden_size") and m["expert_ffn_hidden_size"] % etp:  # ETP cuts each expert's F
         return False
-    if m.get("fc2_bias") and etp > 1:  # each ETP shard would add the bias
-        return False
+    # fc2_bias cuts nothing: every ETP rank holds it whole and one of them adds it.
     if tp > 1:
         kv = m["num_kv_heads"] or m["num_attention_heads"]
         widths = [m["num_attention_heads"], kv, m.get("vocab_size"), m.get("ffn_hidden_size")]
@@ -104,6 +103,14 @@ def test_valid_layouts_match_brute_force(case):
     )
     # The constraints bite (not every foldable layout passes) and leave something to choose from.
     assert 0 < len(expected) < foldable(world) * len(shardings)
+
+
+def test_fc2_bias_keeps_the_expert_tensor_parallel_layouts():
+    model = dict(num_experts=4, num_attention_heads=4, num_kv_heads=2, num_layers=4, seq_len=24, batch_size=4,
+                 expert_ffn_hidden_size=8)
+    with_bias = valid_layouts(8, **model, fc2_bias=True)
+    assert with_bias == valid_layouts(8, **model)
+    assert any(layout.etp > 1 for layout in with_bias)
 
 
 def test_valid_layouts_refuse_bad_inputs_at_once():

@@ -74,9 +74,8 @@ def meta_copy(module: nn.Module, configure: bool = True) -> nn.Module:
 def expert_layer_problems(config: MoEConfig, dims: ParallelDims) -> list[str]:
     """Every reason a MoE layer of ``config`` cannot be sharded over the EP and ETP sizes of ``dims``.
 
-    The one source of these checks: experts over EP, the expert FFN over ETP, ``fc2_bias`` with
-    ETP (``[]`` if none applies). ``apply_expert_parallel`` raises the first, :func:`layout_problems`
-    lists them all.
+    The one source of these checks: experts over EP, the expert FFN over ETP (``[]`` if none
+    applies). ``apply_expert_parallel`` raises the first, :func:`layout_problems` lists them all.
     """
     problems = []
     try:
@@ -88,12 +87,8 @@ def expert_layer_problems(config: MoEConfig, dims: ParallelDims) -> list[str]:
             f"ffn_hidden_size={config.ffn_hidden_size} is not divisible by the expert tensor parallel "
             f"size {dims.etp}; choose an ETP size that divides it."
         )
-    # fc1_bias needs no rule: ETP cuts it with fc1's columns (each rank adds its own block of it).
-    if config.fc2_bias and dims.etp > 1:
-        problems.append(
-            "fc2_bias=True needs expert_tensor_parallel_size=1: every ETP shard would add the bias to "
-            f"its partial output (got ETP={dims.etp}). Turn the bias off or use ETP=1."
-        )
+    # Neither bias needs a rule: ETP cuts fc1_bias with fc1's columns (each rank adds its own block)
+    # and fc2_bias is added by one ETP rank only (apply_expert_parallel).
     return problems
 
 
