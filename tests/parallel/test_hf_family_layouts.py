@@ -1,15 +1,21 @@
-"""Qwen2-MoE and GLM-4.5 models loaded into TP=2, EP=2, CP=2 and PP=2 layouts give ``transformers``' logits.
+"""Qwen2-MoE, GLM-4.5 and GPT-OSS models loaded into TP=2, EP=2, CP=2 and PP=2 layouts give ``transformers``' logits.
 
 Oracle: ``transformers``' own model of each tiny directory (random weights, every norm and bias
 moved off its start, written by its ``save_pretrained``): Qwen2-MoE with q/k/v biases and a
 sigmoid-gated shared expert, GLM-4.5 with partial rotary (half of each head), q/k norm per head,
-q/k/v biases and the sigmoid router. On 2 forked gloo ranks a model with *random* weights is
+q/k/v biases and the sigmoid router, GPT-OSS with attention sinks, sliding-window (shorter than a
+CP chunk pair) and full layers, q/k/v/o biases, the biased router and experts and the clamped
+SwiGLU; and the same GPT-OSS directory with its experts stored as MXFP4, against ``transformers``'
+dequantised model. On 2 forked gloo ranks a model with *random* weights is
 parallelised, then filled by ``load_hf_weights`` (what ``init_from`` runs): under TP the q/k/v
 biases are sharded with their weights (column-parallel), under EP the experts; its forward must give
 ``transformers``' logits (fp32, 1e-5 of their scale), under CP on this rank's chunks of the sequence.
 Under PP (one decoder layer per stage, 2 micro-batches) the pipeline's evaluation losses must be the
 cross-entropy of ``transformers``' logits on each micro-batch. Under TP, EP and PP each rank reads
-less than the whole directory: only its slices, or its stage's tensors.
+less than the whole directory: only its slices, or its stage's tensors; under EP exactly the
+replicated tensors and its half of every expert tensor (MXFP4 blocks and scales included).
+Expert-tensor parallelism is not among the layouts: GPT-OSS's expert down bias (``fc2_bias``)
+is refused under ETP > 1.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import pytest
 import torch
 from helpers.asserts import assert_close_to_scale
 from helpers.dist import run_distributed
+from helpers.gpt_oss import random_gpt_oss, write_mxfp4_directory
 from helpers.hf import random_hf_model
 from torch.distributed.tensor import DTensor
 
@@ -36,6 +43,18 @@ LAYOUTS = {"tp2": {"tp": 2, "etp": 1}, "ep2": {"ep": 2}, "cp2": {"cp": 2}, "pp2"
 MICRO = 2  # pipeline micro-batches
 
 
+def _gpt_oss_config():
+    # Sizes multiples of 32 (MXFP4 blocks); window 3 below the 4-token CP chunks, so the ring skips
+    # blocks wholly outside it; a swiglu_limit the activations reach.
+    return transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, max_position_embeddings=64, initializer_range=0.1,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=1.0, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16},
+    )
+
+
 def _hf_config(family: str):
     common = dict(vocab_size=VOCAB, hidden_size=32, max_position_embeddings=64, initializer_range=0.1,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
@@ -50,12 +69,21 @@ def _hf_config(family: str):
     )
 
 
-@pytest.fixture(scope="module", params=["qwen2_moe", "glm4_moe"])
+@pytest.fixture(scope="module", params=["qwen2_moe", "glm4_moe", "gpt_oss", "gpt_oss-mxfp4"])
 def hf_dir(request, tmp_path_factory):
     """(directory, probe tokens, their transformers logits)."""
-    model = random_hf_model(_hf_config(request.param), seed=3)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
+    if request.param.startswith("gpt_oss"):
+        model = random_gpt_oss(_gpt_oss_config(), seed=3)
+        model.save_pretrained(path)
+        if request.param.endswith("mxfp4"):  # the oracle: transformers' model of the dequantised experts
+            write_mxfp4_directory(path, path / "mxfp4")
+            path = path / "mxfp4"
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    else:
+        model = random_hf_model(_hf_config(request.param), seed=3)
+        model.save_pretrained(path)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
@@ -99,13 +127,13 @@ def test_layout_equals_transformers(hf_dir, layout, tmp_path):
     path, tokens, expected = hf_dir
     results = run_distributed(_load_and_forward, WORLD, str(path), LAYOUTS[layout], tokens, tmp_dir=tmp_path,
                               timeout_s=120)
-    reference = MoETransformer.from_pretrained(path)
-    total = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+    files = _file_bytes(path)
+    total = sum(files.values())
     for rank, result in enumerate(results):
         assert 0 < result["bytes_read"] <= total, (rank, result["bytes_read"], total)
         if layout == "pp2":  # the micro-batches' losses, from transformers' logits of the same rows
             with torch.no_grad():
-                hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+                hf = transformers.AutoModelForCausalLM.from_pretrained(path, **_dequantised(path)).eval()
                 logits = hf(input_ids=tokens[:, :-1]).logits
             want = torch.stack([next_token_loss(part, targets) for part, targets in
                                 zip(logits.chunk(MICRO), tokens[:, 1:].chunk(MICRO))])
@@ -118,3 +146,24 @@ def test_layout_equals_transformers(hf_dir, layout, tmp_path):
             assert result["bias_placements"] == [("Shard", 0)], result["bias_placements"]
         if layout != "cp2":  # only this rank's slices of the sharded tensors are read
             assert result["bytes_read"] < total, (rank, result["bytes_read"], total)
+        if layout == "ep2":  # the replicated tensors whole, half of each expert tensor (2 of 4 experts)
+            experts = sum(size for name, size in files.items() if ".experts." in name)
+            assert result["bytes_read"] == total - experts // 2, (rank, result["bytes_read"], total, experts)
+
+
+def _file_bytes(path) -> dict[str, int]:
+    """The bytes of each tensor of the directory's safetensors files, as stored (MXFP4 packed)."""
+    from safetensors.torch import load_file
+
+    sizes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        sizes.update({name: t.numel() * t.element_size() for name, t in load_file(file).items()})
+    return sizes
+
+
+def _dequantised(path) -> dict:
+    """``from_pretrained`` keyword arguments making ``transformers`` dequantise an MXFP4 directory."""
+    import json
+
+    quantized = "quantization_config" in json.loads((path / "config.json").read_text())
+    return {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if quantized else {}
