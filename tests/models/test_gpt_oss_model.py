@@ -20,8 +20,7 @@ import json
 import pytest
 import torch
 from helpers.asserts import assert_close_to_scale
-from helpers.hf import random_hf_model
-from helpers.mxfp4 import quantize_mxfp4
+from helpers.gpt_oss import random_gpt_oss, write_mxfp4_directory
 
 from lightning_moe.models import MoETransformer
 
@@ -55,20 +54,10 @@ def _configs() -> dict[str, object]:
     }
 
 
-def _build_hf(config, seed: int = 0) -> torch.nn.Module:
-    model = random_hf_model(config, seed=seed)
-    generator = torch.Generator().manual_seed(seed + 2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("_bias", ".bias", ".sinks")):  # expert biases start at zero
-                param.add_(0.3 * torch.randn(param.shape, generator=generator))
-    return model
-
-
 @pytest.fixture(scope="module", params=sorted(_configs()))
 def hf_gpt_oss(request, tmp_path_factory):
     """(name, transformers model, directory written by its save_pretrained)."""
-    model = _build_hf(_configs()[request.param])
+    model = random_gpt_oss(_configs()[request.param])
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return request.param, model, path
@@ -163,26 +152,9 @@ def test_save_pretrained_loads_in_transformers_and_round_trips_bitwise(hf_gpt_os
     assert (written["bos_token_id"], written["eos_token_id"], written["pad_token_id"]) == (0, 2, 1)
 
 
-def _mxfp4_directory(hf_path, path) -> None:
-    """``hf_path``'s checkpoint with every expert projection stored as MXFP4, as the published ones."""
-    tensors = _files(hf_path)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales, _ = quantize_mxfp4(tensors.pop(name))
-        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-    path.mkdir()
-    safetensors_torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((hf_path / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-                                   "lm_head"],
-    }
-    (path / "config.json").write_text(json.dumps(config))
-
-
 def test_mxfp4_checkpoint_loads_as_transformers_dequantises_it(hf_gpt_oss, tmp_path):
     name, _, path = hf_gpt_oss
-    _mxfp4_directory(path, tmp_path / "mxfp4")
+    write_mxfp4_directory(path, tmp_path / "mxfp4")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "mxfp4", quantization_config=transformers.Mxfp4Config(dequantize=True)
     ).eval()
@@ -210,3 +182,26 @@ def test_other_quantisations_are_refused(hf_gpt_oss, tmp_path):
     tmp_path.joinpath("config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"quantization_config.*fp8"):
         MoETransformer.from_pretrained(tmp_path)
+
+
+def test_a_model_without_a_source_config_is_written_as_gpt_oss(hf_gpt_oss, tmp_path):
+    # The config.json written from the MoETransformerConfig alone (config_to_hf, the family inferred
+    # from the clamped SwiGLU), not the source's kept: transformers must build the same model from it.
+    name, hf_model, path = hf_gpt_oss
+    loaded = MoETransformer.from_pretrained(path)
+    ours = MoETransformer(loaded.config)
+    ours.load_state_dict(loaded.state_dict())
+    ours.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == "gpt_oss" and "quantization_config" not in written
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    for key in ("layer_types", "sliding_window", "swiglu_limit", "swiglu_alpha", "head_dim", "attention_bias",
+                "num_local_experts", "num_experts_per_tok"):
+        assert getattr(reloaded.config, key) == getattr(hf_model.config, key), key
+    # The older rope_scaling key written alongside adds its "type" to transformers' rope_parameters.
+    rope = {k: v for k, v in reloaded.config.rope_parameters.items() if k != "type"}
+    assert rope == hf_model.config.rope_parameters
+    tokens, mask = _batch()
+    real = mask.bool()
+    assert_close_to_scale(_hf_logits(reloaded, tokens, mask)[real], _hf_logits(hf_model, tokens, mask)[real],
+                          LOGITS_TOL, name)
