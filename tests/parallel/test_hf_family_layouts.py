@@ -1,4 +1,5 @@
-"""Qwen2-MoE, GLM-4.5 and GPT-OSS models loaded into TP=2, EP=2, CP=2 and PP=2 layouts give ``transformers``' logits.
+"""Qwen2-MoE, GLM-4.5 and GPT-OSS models loaded into TP=2, EP=2 (with and without FSDP2), CP=2 and PP=2 layouts give
+``transformers``' logits.
 
 Oracle: ``transformers``' own model of each tiny directory (random weights, every norm and bias
 moved off its start, written by its ``save_pretrained``): Qwen2-MoE with q/k/v biases and a
@@ -12,8 +13,11 @@ biases are sharded with their weights (column-parallel), under EP the experts; i
 ``transformers``' logits (fp32, 1e-5 of their scale), under CP on this rank's chunks of the sequence.
 Under PP (one decoder layer per stage, 2 micro-batches) the pipeline's evaluation losses must be the
 cross-entropy of ``transformers``' logits on each micro-batch. Under TP, EP and PP each rank reads
-less than the whole directory: only its slices, or its stage's tensors; under EP exactly the
-replicated tensors and its half of every expert tensor (MXFP4 blocks and scales included).
+less than the whole directory: only its slices, or its stage's tensors, and the slices assemble
+bit for bit into the one-device ``from_pretrained`` model; under EP exactly the replicated tensors
+and its half of every expert tensor (MXFP4 blocks and scales included), and with FSDP2's
+``FULL_SHARD`` of the dense tensors added, every byte of the directory's parameters is read by
+exactly one rank (buffers, such as GLM-4.5's score-correction bias, by every rank).
 Expert-tensor parallelism is not among the layouts: GPT-OSS's expert down bias (``fc2_bias``)
 is refused under ETP > 1.
 """
@@ -39,7 +43,8 @@ pytestmark = pytest.mark.distributed
 
 WORLD, VOCAB, SEQ = 2, 64, 16  # SEQ divisible by TP and by 2 x CP
 LOGITS_TOL = 1e-5
-LAYOUTS = {"tp2": {"tp": 2, "etp": 1}, "ep2": {"ep": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}}
+LAYOUTS = {"tp2": {"tp": 2, "etp": 1}, "ep2": {"ep": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2},
+           "ep2-fsdp": {"ep": 2, "sharding": "FULL_SHARD"}}
 MICRO = 2  # pipeline micro-batches
 
 
@@ -94,20 +99,24 @@ def _load_and_forward(rank: int, world_size: int, path: str, layout: dict, token
     from lightning_moe.checkpoint.hf_load import load_hf_weights
     from lightning_moe.parallel.context_parallel_apply import shard_batch
 
+    layout = dict(layout)
+    sharding = layout.pop("sharding", "NO_SHARD")
     ctx = build_parallel_context(ParallelDims(world_size, **layout), "cpu")
     config = MoETransformer.from_pretrained(path).config  # the architecture only; the weights are re-drawn
     torch.manual_seed(100 + rank)
     model = MoETransformer(config)
     if layout.get("pp", 1) > 1:
         return _pipeline(model, ctx, path, tokens)
-    parallelize(model, ctx)
+    parallelize(model, ctx, sharding_strategy=sharding)
     bias = model.layers[0].attn.q_proj.bias
     bias_placements = [(type(p).__name__, getattr(p, "dim", None)) for p in bias.placements] if isinstance(
         bias, DTensor) else []
     read = load_hf_weights(model, path)
+    state = model.state_dict()  # collective: the same order on every rank
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
     with torch.no_grad():
         logits = model.full_logits(model.eval()(shard_batch(tokens, ctx)))
-    return {"logits": logits, "bytes_read": read, "bias_placements": bias_placements}
+    return {"logits": logits, "bytes_read": read, "bias_placements": bias_placements, "state": full}
 
 
 def _pipeline(model, ctx, path: str, tokens) -> dict:
@@ -129,6 +138,8 @@ def test_layout_equals_transformers(hf_dir, layout, tmp_path):
                               timeout_s=120)
     files = _file_bytes(path)
     total = sum(files.values())
+    model = MoETransformer.from_pretrained(path)
+    reference = model.state_dict()
     for rank, result in enumerate(results):
         assert 0 < result["bytes_read"] <= total, (rank, result["bytes_read"], total)
         if layout == "pp2":  # the micro-batches' losses, from transformers' logits of the same rows
@@ -140,6 +151,10 @@ def test_layout_equals_transformers(hf_dir, layout, tmp_path):
             torch.testing.assert_close(result["losses"], want, rtol=LOGITS_TOL, atol=0.0, msg=f"rank {rank}")
             assert result["bytes_read"] < total, (rank, result["bytes_read"], total)
             continue
+        # Each rank's slices assemble bit for bit into the one-device model (MXFP4 blocks dequantised alike).
+        assert sorted(result["state"]) == sorted(reference)
+        for key, value in reference.items():
+            assert torch.equal(result["state"][key], value), (rank, key)
         want = shard_sequence(expected, rank, WORLD, dim=1) if layout == "cp2" else expected
         assert_close_to_scale(result["logits"], want, LOGITS_TOL, f"{layout} rank {rank} logits")
         if layout == "tp2":  # the q/k/v biases are split over the heads, as their weights
@@ -149,6 +164,10 @@ def test_layout_equals_transformers(hf_dir, layout, tmp_path):
         if layout == "ep2":  # the replicated tensors whole, half of each expert tensor (2 of 4 experts)
             experts = sum(size for name, size in files.items() if ".experts." in name)
             assert result["bytes_read"] == total - experts // 2, (rank, result["bytes_read"], total, experts)
+    if layout == "ep2-fsdp":  # parameters sharded over EP or DP: each of their bytes read by exactly one rank
+        replicated = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name in reference)
+        reads = [result["bytes_read"] for result in results]
+        assert sum(reads) == total + (WORLD - 1) * replicated, (reads, total, replicated)
 
 
 def _file_bytes(path) -> dict[str, int]:
