@@ -18,8 +18,12 @@ As ``transformers`` 5.25's ``modeling_gpt_oss``:
   (:mod:`lightning_moe.models.hf.mxfp4`), each rank reading only its experts' bytes; saving writes
   the dequantised tensors (a checkpoint ``transformers`` loads without quantisation).
 
-The attention side maps onto ``MoETransformerConfig``'s ``attention_bias``, ``attention_out_bias``,
-``attention_sinks``, ``sliding_window`` and ``layer_types``.
+The attention side maps onto ``MoETransformerConfig``'s fields: the one ``attention_bias`` switches
+the q/k/v biases (``attention_bias``) and o_proj's (``attention_out_bias``); ``self_attn.sinks``
+(``[heads]``) is ``attn.sinks`` (``attention_sinks``, always on); ``sliding_window`` and
+``layer_types`` as written, or ``transformers``' alternation (sliding on even layers) when
+``config.json`` has no ``layer_types``. Without ``rope_parameters`` or ``rope_scaling`` the rotary
+embedding is ``GptOssConfig``'s YaRN (factor 32 from 4096 positions, ``truncate`` false).
 """
 
 from __future__ import annotations
