@@ -205,3 +205,23 @@ def test_a_model_without_a_source_config_is_written_as_gpt_oss(hf_gpt_oss, tmp_p
     real = mask.bool()
     assert_close_to_scale(_hf_logits(reloaded, tokens, mask)[real], _hf_logits(hf_model, tokens, mask)[real],
                           LOGITS_TOL, name)
+
+
+def test_absent_keys_take_transformers_defaults(hf_gpt_oss, tmp_path):
+    # A config.json without rope settings nor layer_types: transformers' GptOssConfig fills in its
+    # YaRN and the alternation (sliding on even layers); the mapping must read the same.
+    from lightning_moe.models.hf import config_from_hf
+
+    _, _, path = hf_gpt_oss
+    raw = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "layer_types"):
+        raw.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    config, family = config_from_hf(raw)
+    rope, scaling = theirs.rope_parameters, config.rope_scaling
+    assert family == "gpt_oss" and rope["rope_type"] == "yarn"
+    assert (scaling.factor, scaling.original_max_seq_len, scaling.beta_fast, scaling.beta_slow, scaling.truncate) == (
+        rope["factor"], rope["original_max_position_embeddings"], rope["beta_fast"], rope["beta_slow"], rope["truncate"])
+    assert config.rope_theta == rope["rope_theta"]
+    assert config.layer_types == list(theirs.layer_types)
