@@ -154,12 +154,11 @@ class _SliceReader:
             dim, part = source[1], source[2]
             half = self.shape(part)[dim] // 2
             (i0, i1), (a, b) = box[dim], box[dim + 1]
-            rest = [*box[:dim], None, *box[dim + 2 :]]
-            pieces = []
-            for i in range(i0, i1):
-                rest[dim] = (i * half + a, i * half + b)
-                pieces.append(self._read_box(part, list(rest)))
-            return torch.stack(pieces, dim=dim)
+            # Both halves' pieces in one read: of an interleaved part (GPT-OSS's gate/up bias) one span
+            # of position pairs holds the gate piece and the up piece, read once rather than twice.
+            pieces = [(i * half + a, i * half + b) for i in range(i0, i1)]
+            ranges = [[r] for r in box[:dim]] + [pieces] + [[r] for r in box[dim + 2 :]]
+            return self.read(part, ranges).unflatten(dim, (i1 - i0, b - a))
         dim, parts = source[1], source[2]
         a, b = box[dim]
         blocks, position = [], 0

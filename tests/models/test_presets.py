@@ -23,7 +23,8 @@ from lightning_moe.models import DenseMLP, MoETransformer, MoETransformerConfig,
 from lightning_moe.models.hf import config_from_hf
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs" / "models"
-PRESETS = ("qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3_style", "kimi_k2", "glm_4_5_air")
+PRESETS = ("qwen3_30b_a3b", "mixtral_8x7b", "olmoe_1b_7b", "deepseek_v3_style", "kimi_k2", "glm_4_5_air",
+           "gpt_oss_20b", "gpt_oss_120b")
 
 # (total, active) from the model cards / papers named in each YAML's header. DeepSeek-V3's are
 # those of the main model: its published checkpoint adds a 14B multi-token-prediction module.
@@ -65,7 +66,17 @@ EXACT = {
     # MoE layers of router 128 x 4096 + 129 experts (128 routed, 1 shared) of 3 x 1408 x 4096 =
     # 2,232,418,304 each (active: router + 9 experts = 156,237,824).
     "glm_4_5_air": (106_852_245_504, 13_424_123_904),
+    # gpt-oss by hand: embedding + head 2 x 201088 x 2880 = 1,158,266,880; final norm 2,880; per layer
+    # attention 26,550,144 (q 4096 x 2880, k and v 512 x 2880, o 2880 x 4096, biases 4096 + 2 x 512 +
+    # 2880, sinks 64) + two norms 5,760 + router 2880 x E + E + E experts of 24,891,840 each (gate_up
+    # 5760 x 2880 + 5760, down 2880 x 2880 + 2880); 20b: 24 layers, E = 32 (active: router + 4 experts);
+    # 120b: 36 layers, E = 128.
+    "gpt_oss_20b": (20_914_757_184, 4_187_440_704),
+    "gpt_oss_120b": (116_829_156_672, 5_711_982_912),
 }
+# gpt-oss model card, Table 1 (total, active): the active counts leave out the embedding table (a
+# lookup) and keep the unembedding; the card's summary rounds them to 21B / 3.6B and 117B / 5.1B.
+GPT_OSS_CARD = {"gpt_oss_20b": (20.91e9, 3.61e9), "gpt_oss_120b": (116.83e9, 5.13e9)}
 
 # The published config.json of each preset's model (keys transformers reads; token ids and
 # bookkeeping such as torch_dtype and transformers_version left out).
@@ -141,6 +152,30 @@ PUBLISHED_CONFIG_JSON = {
         "vocab_size": 151552,
     },
 }
+
+
+def _gpt_oss_config_json(layers: int, experts: int) -> dict:
+    # openai/gpt-oss-{20b,120b}'s config.json differ only in the layer and expert counts.
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+        "attention_dropout": 0.0, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2), "max_position_embeddings": 131072,
+        "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": layers, "num_key_value_heads": 8,
+        "num_local_experts": experts, "output_router_logits": False,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    }
+
+
+PUBLISHED_CONFIG_JSON["gpt_oss_20b"] = _gpt_oss_config_json(24, 32)
+PUBLISHED_CONFIG_JSON["gpt_oss_120b"] = _gpt_oss_config_json(36, 128)
+
 # Training settings a preset takes from its paper: (top-level fields, moe fields), and why.
 FROM_THE_PAPER = {
     # OLMoE paper §3: router z-loss 0.001; config.json has no z-loss field.
@@ -268,6 +303,31 @@ def test_kimi_k2_layout():
     assert model.layers[1].ffn.experts.fc1_weight.shape == (384, 2 * 2048, 7168)
     assert model.layers[0].attn.q_up_proj.weight.shape == (64 * 192, 1536)
     assert isinstance(model.layers[0].ffn, DenseMLP)
+
+
+@pytest.mark.parametrize("name", sorted(GPT_OSS_CARD))
+def test_gpt_oss_counts_match_the_model_card(name):
+    config = load_preset(name)
+    total, active = config.num_parameters(), config.num_parameters(active=True)
+    card_total, card_active = GPT_OSS_CARD[name]
+    embedding = config.vocab_size * config.hidden_size
+    # The card's table gives two decimals of a billion.
+    assert abs(total - card_total) <= 0.005e9, f"{total:,}"
+    assert abs(active - embedding - card_active) <= 0.005e9, f"{active - embedding:,}"
+    assert (total, active) == EXACT[name]
+
+
+def test_gpt_oss_layout():
+    config = load_preset("gpt_oss_120b")
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 18
+    assert [config.layer_window(i) for i in range(2)] == [128, None]
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    attn, moe = model.layers[0].attn, model.layers[0].ffn
+    assert attn.q_proj.weight.shape == (64 * 64, 2880) and attn.k_proj.bias.shape == (8 * 64,)
+    assert attn.o_proj.bias.shape == (2880,) and attn.sinks.shape == (64,)
+    assert moe.experts.fc1_weight.shape == (128, 2 * 2880, 2880) and moe.experts.fc2_bias.shape == (128, 2880)
+    assert moe.router.bias.shape == (128,)
 
 
 def test_qwen3_attention_shapes():

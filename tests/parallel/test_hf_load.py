@@ -9,7 +9,10 @@ TP=2 x EP=4 folded (ETP=1), TP=2 x EP=2 x ETP=2 (gated fc1 blocks), each replica
 ``FULL_SHARD`` (FSDP2 DTensors: dense 2-D over DP x TP, experts over EDP on H). Qwen3-MoE (GQA,
 a dense layer), DeepSeek-V3 (MLA, shared expert, score bias), Qwen2-MoE (q/k/v biases, gated shared
 expert) and GLM-4.5 (partial rotary, q/k norm, q/k/v biases, score bias). Each rank also reads at most its
-share of the bytes (plus the replicated tensors): no rank reads the whole model.
+share of the bytes (plus the replicated tensors): no rank reads the whole model. GPT-OSS (sinks,
+sliding window, biases everywhere), with plain and MXFP4 experts, at the layouts without ETP and
+``FULL_SHARD``: the MXFP4 experts cut over EP and over EDP on H, against ``transformers``'
+dequantised model.
 """
 
 from __future__ import annotations
@@ -99,3 +102,47 @@ def test_refuses_a_meta_model(hf_dir):
         model = MoETransformer(MoETransformer.from_pretrained(path).config)
     with pytest.raises(RuntimeError, match="still on the meta device"):
         load_hf_weights(model, path)
+
+
+@pytest.fixture(scope="module", params=["plain", "mxfp4"])
+def gpt_oss_dir(request, tmp_path_factory):
+    """(directory, probe tokens, transformers' logits) of a tiny GPT-OSS, its experts plain or MXFP4."""
+    import transformers
+    from helpers.gpt_oss import random_gpt_oss, write_mxfp4_directory
+
+    path = tmp_path_factory.mktemp(f"gpt_oss_{request.param}")
+    config = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, max_position_embeddings=64, initializer_range=0.1,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0,
+    )
+    model = random_gpt_oss(config, seed=1)
+    model.save_pretrained(path)
+    if request.param == "mxfp4":  # the oracle: transformers' model of the dequantised experts
+        write_mxfp4_directory(path, path / "mxfp4")
+        path = path / "mxfp4"
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits
+    return path, tokens, logits
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2", "tp2-ep4-etp1"])
+def test_gpt_oss_each_rank_loads_its_slices(gpt_oss_dir, layout, tmp_path):
+    # FULL_SHARD: the experts also cut over EDP on H, through MXFP4's groups of 32 columns. Not
+    # tp2-ep2-etp2: GPT-OSS's expert down bias (fc2_bias) is refused under ETP > 1.
+    path, tokens, expected_logits = gpt_oss_dir
+    results = run_distributed(_load, WORLD, str(path), LAYOUTS[layout], "FULL_SHARD", tokens, tmp_dir=tmp_path,
+                              timeout_s=180)
+    expected = MoETransformer.from_pretrained(path).state_dict()
+    for rank, result in enumerate(results):
+        assert sorted(result["state"]) == sorted(expected), rank
+        for key, value in expected.items():
+            assert torch.equal(result["state"][key], value), (rank, key)
+        assert_close_to_scale(result["logits"], expected_logits, LOGITS_TOL, f"rank {rank} logits")
+    files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert all(0 < r["bytes_read"] < files / 2 for r in results), ([r["bytes_read"] for r in results], files)

@@ -7,7 +7,8 @@ settings that ``config.json`` happens to carry (``max_seq_len`` as ``max_positio
 ``init_std`` as ``initializer_range``, the load-balancing coefficients as ``router_aux_loss_coef``
 or ``aux_loss_alpha``) are not changes of the model: a run with ``model_overrides: {max_seq_len:
 128}`` still exports the source's context length. The weights' dtype is written as they are
-stored. :data:`SOURCE_FILES` (tokenizer and generation settings) are copied by :func:`copy_source_files`.
+stored; a ``quantization_config`` is dropped, because the weights are written dequantised (GPT-OSS's MXFP4
+experts). :data:`SOURCE_FILES` (tokenizer and generation settings) are copied by :func:`copy_source_files`.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def exported_config(
     key and value kept, except the keys :func:`config_to_hf` writes differently for ``config``
     than for the source's own configuration (a real change of the model; training settings do not
     count, see the module docstring), and the ``dtype`` (``torch_dtype``) key when the weights are
-    stored in another dtype. Whatever the family cannot hold is refused as by :func:`config_to_hf`.
+    stored in another dtype; ``quantization_config`` is dropped (the weights are written dequantised). Whatever the family cannot hold is refused as by :func:`config_to_hf`.
     """
     written = config_to_hf(config, family, dtype, extra)  # refuses what the family cannot hold
     if source is None or source.get("model_type") != family:
@@ -85,6 +86,8 @@ def exported_config(
         return written  # the source cannot be compared field by field: write the model's own description
     after = config_to_hf(_with_training_settings_of(config, loaded), family, dtype, extra)
     merged = dict(source)
+    # Weights are written as the model holds them: a quantised source (MXFP4) is saved dequantised.
+    merged.pop("quantization_config", None)
     for key in before.keys() | after.keys():
         if before.get(key, _MISSING) != after.get(key, _MISSING):
             if key in after:

@@ -13,7 +13,8 @@ either layout (an older ``[E, 2F, H]`` export included). The router is
 ``e_score_correction_bias`` -> ``router.expert_bias``, their ``shared_experts.{gate,up,down}_proj``
 -> ``shared_expert.fc1`` (gate rows then up rows) and ``fc2``, Qwen2-MoE's ``shared_expert`` and
 ``shared_expert_gate``) lies where the family's ``block_weights`` say, under the block's prefix.
-Attention biases (``attention_bias``) keep their names: ``self_attn.{q,k,v}_proj.bias``.
+Attention biases (``attention_bias``, ``attention_out_bias``) keep their names:
+``self_attn.{q,k,v,o}_proj.bias``; attention sinks are ``self_attn.sinks``.
 Every tensor keeps its dtype; stacking and splitting copy values bit for bit.
 
 A family whose MoE block is laid out otherwise (GPT-OSS: ``mlp.router``, ``gate_up_proj`` ``[E, H, 2F]``
@@ -83,6 +84,8 @@ def _hf_name(key: str, config: MoETransformerConfig, family: str) -> str:
     }
     if rest in simple:
         return prefix + simple[rest]
+    if rest == "attn.sinks":  # GPT-OSS's per-head sink logits
+        return f"{prefix}self_attn.sinks"
     names = _MLA_NAMES if config.attention == "mla" else _MHA_NAMES
     attention = re.fullmatch(r"attn\.(\w+)\.(weight|bias)", rest)
     if attention and attention.group(1) in names:

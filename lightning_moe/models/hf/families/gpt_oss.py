@@ -18,8 +18,12 @@ As ``transformers`` 5.25's ``modeling_gpt_oss``:
   (:mod:`lightning_moe.models.hf.mxfp4`), each rank reading only its experts' bytes; saving writes
   the dequantised tensors (a checkpoint ``transformers`` loads without quantisation).
 
-The attention side maps onto ``MoETransformerConfig``'s ``attention_bias``, ``attention_out_bias``,
-``attention_sinks``, ``sliding_window`` and ``layer_types``.
+The attention side maps onto ``MoETransformerConfig``'s fields: the one ``attention_bias`` switches
+the q/k/v biases (``attention_bias``) and o_proj's (``attention_out_bias``); ``self_attn.sinks``
+(``[heads]``) is ``attn.sinks`` (``attention_sinks``, always on); ``sliding_window`` and
+``layer_types`` as written, or ``transformers``' alternation (sliding on even layers) when
+``config.json`` has no ``layer_types``. Without ``rope_parameters`` or ``rope_scaling`` the rotary
+embedding is ``GptOssConfig``'s YaRN (factor 32 from 4096 positions, ``truncate`` false).
 """
 
 from __future__ import annotations
@@ -84,17 +88,16 @@ def _layer_types(fields: Fields, num_layers: int) -> list[str]:
 
 
 def _model(fields: Fields, common: dict[str, Any]) -> MoETransformerConfig:
-    bias = bool(fields["attention_bias"])
+    # One attention_bias switches the q/k/v biases (in common, Family.attention_bias_key) and o_proj's.
     return MoETransformerConfig(
         **common, head_dim=int(fields["head_dim"]), ffn_hidden_size=None, qk_norm=False,
-        moe=_moe(fields), moe_layer_freq=1,
-        attention_bias=bias, attention_out_bias=bias, attention_sinks=True,
+        moe=_moe(fields), moe_layer_freq=1, attention_out_bias=common["attention_bias"], attention_sinks=True,
         sliding_window=fields["sliding_window"], layer_types=_layer_types(fields, common["num_layers"]),
     )
 
 
 def _export_problems(config: MoETransformerConfig) -> list[str]:
-    problems = softmax_router_problems(config, "gpt_oss", always_renormalises=True)
+    problems = softmax_router_problems(config, "gpt_oss", always_renormalises=True, sliding_windows=True)
     moe = config.moe
     missing = [name for name in ("fc1_bias", "fc2_bias", "router_bias") if not getattr(moe, name)]
     if missing:
@@ -112,7 +115,6 @@ def _export_fields(config: MoETransformerConfig) -> dict[str, Any]:
     fields.update({
         "num_local_experts": moe.num_experts, "intermediate_size": moe.ffn_hidden_size,
         "swiglu_alpha": moe.activation_alpha, "swiglu_limit": moe.activation_limit,
-        "attention_bias": bool(getattr(config, "attention_bias", False)),
         "sliding_window": getattr(config, "sliding_window", None),
         "layer_types": getattr(config, "layer_types", None) or ["full_attention"] * config.num_layers,
         "head_dim": config.attention_head_dim, "output_router_logits": False,
@@ -122,13 +124,16 @@ def _export_fields(config: MoETransformerConfig) -> dict[str, Any]:
 
 GPT_OSS = register_family(Family(
     name="gpt_oss", title="GPT-OSS", architecture="GptOssForCausalLM",
+    # rope_scaling: GptOssConfig's YaRN when config.json gives neither rope_parameters nor rope_scaling.
     defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "rope_theta": 150000.0,
+              "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 4096},
               "router_aux_loss_coef": 0.001, "sliding_window": 128, "head_dim": 64, "num_key_value_heads": 8,
               "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True, "intermediate_size": 2880,
               "num_local_experts": 128, "num_experts_per_tok": 4},
     expert_count_keys=("num_local_experts",),
     moe_config=_moe, refuse_moe=_refuse_moe, model_config=_model,
-    attention="mha", qk_norm=None, export_problems=_export_problems, export_fields=_export_fields,
+    attention="mha", qk_norm=None, attention_bias_key="attention_bias", export_problems=_export_problems, export_fields=_export_fields,
     moe_prefix="mlp", moe_sources=gpt_oss_moe_sources, expert_activation="clamped_swiglu", expert_biases=True,
 ))
 """The GPT-OSS family, registered."""
