@@ -1,5 +1,5 @@
-"""Qwen2-MoE, GLM-4.5 and GPT-OSS models loaded into TP=2, EP=2 (with and without FSDP2), CP=2 and PP=2 layouts give
-``transformers``' logits.
+"""Qwen2-MoE, GLM-4.5 and GPT-OSS models loaded into TP=2, EP=2 (with and without FSDP2), ETP=2, CP=2 and PP=2
+layouts give ``transformers``' logits.
 
 Oracle: ``transformers``' own model of each tiny directory (random weights, every norm and bias
 moved off its start, written by its ``save_pretrained``): Qwen2-MoE with q/k/v biases and a
@@ -17,9 +17,8 @@ less than the whole directory: only its slices, or its stage's tensors, and the 
 bit for bit into the one-device ``from_pretrained`` model; under EP exactly the replicated tensors
 and its half of every expert tensor (MXFP4 blocks and scales included), and with FSDP2's
 ``FULL_SHARD`` of the dense tensors added, every byte of the directory's parameters is read by
-exactly one rank (buffers, such as GLM-4.5's score-correction bias, by every rank).
-Expert-tensor parallelism is not among the layouts: GPT-OSS's expert down bias (``fc2_bias``)
-is refused under ETP > 1.
+exactly one rank (buffers, such as GLM-4.5's score-correction bias, by every rank). Under ETP
+each rank holds an F block of every expert (GPT-OSS's expert down bias whole, added by ETP rank 0).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ pytestmark = pytest.mark.distributed
 
 WORLD, VOCAB, SEQ = 2, 64, 16  # SEQ divisible by TP and by 2 x CP
 LOGITS_TOL = 1e-5
-LAYOUTS = {"tp2": {"tp": 2, "etp": 1}, "ep2": {"ep": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2},
+LAYOUTS = {"tp2": {"tp": 2, "etp": 1}, "ep2": {"ep": 2}, "etp2": {"etp": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2},
            "ep2-fsdp": {"ep": 2, "sharding": "FULL_SHARD"}}
 MICRO = 2  # pipeline micro-batches
 
