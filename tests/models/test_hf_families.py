@@ -443,3 +443,21 @@ def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "safetensors.torch", None)
     with pytest.raises(ImportError, match=r'pip install -e "\.\[hf\]"'):
         MoETransformer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe"])
+def test_gpt_oss_attention_is_refused_by_every_other_family(tmp_path, family):
+    # transformers would drop the sinks and the o_proj bias with a warning and read the layers as full
+    # attention (the window lives in config.json only): each must be refused by name, not written.
+    from lightning_moe.models.hf import config_to_hf
+
+    config = MoETransformerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, max_seq_len=64,
+        moe=MoEConfig(32, 16, 4, top_k=2), attention_sinks=True, attention_out_bias=True, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    with pytest.raises(ValueError) as caught:
+        config_to_hf(config, family, torch.float32)
+    message = str(caught.value)
+    for part in ("attention_sinks=True", "attention_out_bias=True", "sliding-window layers"):
+        assert part in message, message

@@ -81,6 +81,14 @@ def _check_common(config: MoETransformerConfig, spec: Family) -> list[str]:
         problems.append(f"partial_rotary_factor={config.partial_rotary_factor}: {name} rotates the whole head")
     if not spec.interleaved_rope and config.rope_interleaved:
         problems.append(f"rope_interleaved=True: {name} rotates halves")
+    if not spec.gpt_oss_attention:
+        # transformers would drop these tensors (or the window, which lives in config.json only) with a warning.
+        problems += [f"{flag}=True: {name} has no {what}" for flag, what in
+                     (("attention_sinks", "attention sinks"), ("attention_out_bias", "o_proj bias"))
+                     if getattr(config, flag)]
+        if config.layer_types is not None and "sliding_attention" in config.layer_types:
+            problems.append(f"sliding-window layers (layer_types, sliding_window={config.sliding_window}): the {name} "
+                            "export writes every layer as full attention")
     return problems
 
 

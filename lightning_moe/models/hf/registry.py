@@ -91,6 +91,9 @@ class Family:
         expert_activation: the activation of the family's experts (``MoEConfig.activation``).
         expert_biases: whether the family's router and experts have biases (``router_bias``,
             ``fc1_bias``, ``fc2_bias``); exporting them to a family without is refused.
+        gpt_oss_attention: whether the family's attention has GPT-OSS's pieces: per-head sinks
+            (``attention_sinks``), an ``o_proj`` bias (``attention_out_bias``) and sliding-window layers
+            written as ``layer_types`` / ``sliding_window``; every other family refuses them on export.
     """
 
     name: str
@@ -121,6 +124,7 @@ class Family:
     moe_sources: Callable[[str, MoETransformerConfig], dict[str, Source]] | None = None
     expert_activation: str = "swiglu"
     expert_biases: bool = False
+    gpt_oss_attention: bool = False
 
     @property
     def whole_model(self) -> bool:

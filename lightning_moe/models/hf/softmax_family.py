@@ -27,26 +27,23 @@ def softmax_moe(fields: Fields, ffn_key: str, renormalise: bool, shared: dict[st
 
 
 def refuse_sliding_window(fields: Fields, window: int | None) -> None:
-    """Refuse a ``window`` that binds (below ``max_position_embeddings``): attention is full causal here."""
+    """Refuse a ``window`` that binds (below ``max_position_embeddings``): this family's mapping reads
+    no window (only GPT-OSS's ``layer_types`` are mapped to sliding-window layers)."""
     if window is not None and window < fields["max_position_embeddings"]:
         raise ValueError(
             f"sliding_window={window} (below max_position_embeddings={fields['max_position_embeddings']}) is "
-            "not supported: attention is full causal here. Use a model without a sliding window."
+            f"not supported for {fields.spec.title}: its mapping here reads every layer as full attention. Use a "
+            "checkpoint without a sliding window, or set sliding_window to null (or >= max_position_embeddings) "
+            "in config.json if the model was trained without one."
         )
 
 
 def softmax_router_problems(
     config: MoETransformerConfig, family: str, *, always_renormalises: bool = False, dense_layers: bool = False,
-    sliding_windows: bool = False,
 ) -> list[str]:
-    """What of ``config``'s routing (and sliding windows) a softmax ``family`` cannot hold;
-    ``always_renormalises``: the family has no ``norm_topk_prob``; ``dense_layers``: it allows dense
-    layers between MoE ones; ``sliding_windows``: its export writes ``layer_types`` and ``sliding_window``."""
+    """What of ``config``'s routing a softmax ``family`` cannot hold; ``always_renormalises``: the
+    family has no ``norm_topk_prob``; ``dense_layers``: it allows dense layers between MoE ones."""
     moe, problems = config.moe, []
-    # A window lives in config.json only: without this the export would drop it and load as full attention.
-    if not sliding_windows and config.layer_types is not None and "sliding_attention" in config.layer_types:
-        problems.append(f"sliding-window layers (layer_types, sliding_window={config.sliding_window}): the {family} "
-                        "export writes every layer as full attention")
     if moe.score_func != "softmax":
         problems.append(f"score_func={moe.score_func!r}, {family} routes with softmax")
     if always_renormalises and moe.pre_softmax:

@@ -97,7 +97,7 @@ def _model(fields: Fields, common: dict[str, Any]) -> MoETransformerConfig:
 
 
 def _export_problems(config: MoETransformerConfig) -> list[str]:
-    problems = softmax_router_problems(config, "gpt_oss", always_renormalises=True, sliding_windows=True)
+    problems = softmax_router_problems(config, "gpt_oss", always_renormalises=True)
     moe = config.moe
     missing = [name for name in ("fc1_bias", "fc2_bias", "router_bias") if not getattr(moe, name)]
     if missing:
@@ -135,5 +135,6 @@ GPT_OSS = register_family(Family(
     moe_config=_moe, refuse_moe=_refuse_moe, model_config=_model,
     attention="mha", qk_norm=None, attention_bias_key="attention_bias", export_problems=_export_problems, export_fields=_export_fields,
     moe_prefix="mlp", moe_sources=gpt_oss_moe_sources, expert_activation="clamped_swiglu", expert_biases=True,
+    gpt_oss_attention=True,
 ))
 """The GPT-OSS family, registered."""
