@@ -11,7 +11,8 @@ __all__ = ["adamw_kernel_options", "optimizer_param_groups", "warmup_cosine"]
 
 
 def optimizer_param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: matrices (experts included) decay, vectors (norms, biases, expert bias) do not.
+    """AdamW groups: weight matrices (experts included) decay; norms, biases (the experts' stacked
+    ones included), attention sinks and the embedding do not.
 
     Built from ``named_parameters()`` and checked to cover every trainable parameter exactly once,
     so no parameter (an expert shard, a router) can silently drop out of optimisation.
@@ -20,7 +21,9 @@ def optimizer_param_groups(module: torch.nn.Module, weight_decay: float) -> list
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue
-        (decay if param.dim() >= 2 and "embed" not in name else no_decay).append(param)
+        # Biases may be stacked per expert ([E, H], [E, 2, F]): by name, not by shape.
+        vector = param.dim() < 2 or name.endswith(("bias", "sinks")) or "embed" in name
+        (no_decay if vector else decay).append(param)
     trainable = [p for p in module.parameters() if p.requires_grad]
     if len(decay) + len(no_decay) != len(trainable):
         raise RuntimeError(
