@@ -16,7 +16,7 @@ the whole model:
 Hugging Face names map through :mod:`lightning_moe.models.hf.weights`: a stacked expert tensor reads
 only the local experts' per-expert tensors (or the slice of ``transformers`` 5's fused ones), the
 shared expert's fc1 its gate and up rows, an MXFP4 tensor (GPT-OSS's experts) only the packed
-bytes and scales of its block, dequantised. The block is copied into the local tensor in place (the
+bytes and scales of its block, dequantised to the experts' dtype. The block is copied into the local tensor in place (the
 optimizer's references stay valid), cast to the parameter's dtype. Every parameter and buffer must
 be filled and every tensor of the directory used (DeepSeek's multi-token-prediction layers are
 skipped with a warning); the errors name the tensor. A model trimmed to its pipeline stages
@@ -91,8 +91,9 @@ def local_ranges(tensor: Tensor) -> tuple[tuple[int, ...], Ranges]:
 class _SliceReader:
     """Shapes and sliced reads of the :data:`~lightning_moe.models.hf.weights.Source` s of one directory."""
 
-    def __init__(self, reader: SafetensorsReader) -> None:
+    def __init__(self, reader: SafetensorsReader, mxfp4_dtype: torch.dtype = torch.float32) -> None:
         self.reader = reader
+        self.mxfp4_dtype = mxfp4_dtype  # what MXFP4 blocks are dequantised to
         self.bytes_read = 0
 
     def shape(self, source: Source) -> tuple[int, ...]:
@@ -196,7 +197,7 @@ class _SliceReader:
         per_group = 1 if len(self.shape(blocks)) == 4 else VALUES_PER_BLOCK // 2
         packed = self._slice(blocks, [(e0, e1), (r0, r1), (g0 * per_group, g1 * per_group)])
         exponents = self._slice(scales, [(e0, e1), (r0, r1), (g0, g1)])
-        return dequantize_mxfp4(packed, exponents).narrow(1, c0 - g0 * VALUES_PER_BLOCK, c1 - c0)
+        return dequantize_mxfp4(packed, exponents, self.mxfp4_dtype).narrow(1, c0 - g0 * VALUES_PER_BLOCK, c1 - c0)
 
 
 def _persistent_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -254,7 +255,9 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike) -> int:
         missing = sorted(set(tensors) - set(sources))
         if missing:
             raise ValueError(f"{path} has no tensor for {', '.join(missing[:8])} of the model.")
-        reader = _SliceReader(files)
+        # MXFP4 experts straight in the model's expert dtype (no wider copy of the block first).
+        experts = [t.dtype for k, t in tensors.items() if k.endswith("experts.fc1_weight")]
+        reader = _SliceReader(files, experts[0] if experts else torch.float32)
         for key, tensor in tensors.items():
             shape, ranges = local_ranges(tensor)
             stored = reader.shape(sources[key])

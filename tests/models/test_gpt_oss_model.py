@@ -225,3 +225,45 @@ def test_absent_keys_take_transformers_defaults(hf_gpt_oss, tmp_path):
         rope["factor"], rope["original_max_position_embeddings"], rope["beta_fast"], rope["beta_slow"], rope["truncate"])
     assert config.rope_theta == rope["rope_theta"]
     assert config.layer_types == list(theirs.layer_types)
+
+
+def _expected_experts(theirs, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' dequantised experts of ``layer`` in our layout: fc1 ``[E, 2F, H]`` (the gate rows
+    then the up rows, de-interleaved from gate_up_proj's columns), fc2 ``[E, H, F]``."""
+    experts = theirs.model.layers[layer].mlp.experts
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()  # [E, H, 2F], [E, F, H]
+    fc1 = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2)
+    return fc1, down.transpose(1, 2)
+
+
+def test_bf16_mxfp4_checkpoint_loads_bf16_experts_as_transformers_does(tmp_path):
+    from lightning_moe.checkpoint.hf_load import load_hf_weights
+
+    config = _configs()["gpt_oss"]
+    random_gpt_oss(config).to(torch.bfloat16).save_pretrained(tmp_path / "plain")
+    write_mxfp4_directory(tmp_path / "plain", tmp_path / "mxfp4")
+    assert json.loads((tmp_path / "mxfp4" / "config.json").read_text())["dtype"] == "bfloat16"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mxfp4", quantization_config=transformers.Mxfp4Config(dequantize=True)
+    )
+    ours = MoETransformer.from_pretrained(tmp_path / "mxfp4")
+    # The same model built from the config and filled as init_from fills it (each rank its slices).
+    sliced = MoETransformer(ours.config).to(torch.bfloat16)
+    load_hf_weights(sliced, tmp_path / "mxfp4")
+    for model in (ours, sliced):
+        for i in ours.config.moe_layers:
+            experts = model.layers[i].ffn.experts
+            fc1, fc2 = _expected_experts(theirs, i)
+            assert fc1.dtype == fc2.dtype == torch.bfloat16
+            assert experts.fc1_weight.dtype == experts.fc2_weight.dtype == experts.fc1_bias.dtype == torch.bfloat16
+            assert torch.equal(experts.fc1_weight.detach(), fc1) and torch.equal(experts.fc2_weight.detach(), fc2)
+    # dtype= still casts every tensor, the experts included.
+    wide = MoETransformer.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32)
+    assert wide.layers[0].ffn.experts.fc1_weight.dtype == torch.float32
+    assert torch.equal(wide.layers[0].ffn.experts.fc1_weight, _expected_experts(theirs, 0)[0].float())
+    # Saved as the model holds it: bf16 expert projections under "dtype": "bfloat16".
+    ours.save_pretrained(tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["dtype"] == "bfloat16"
+    written = _files(tmp_path / "ours")
+    projections = [k for k in written if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert projections and all(written[k].dtype == torch.bfloat16 for k in projections)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers.mxfp4 import quantize_mxfp4
 
-from lightning_moe.models.hf.mxfp4 import dequantize_mxfp4, mxfp4_pairs, mxfp4_shape
+from lightning_moe.models.hf.mxfp4 import dequantize_mxfp4, dequantized_dtype, mxfp4_pairs, mxfp4_shape
 
 
 def _weight(shape, seed=0):
@@ -54,6 +54,39 @@ def test_mismatched_shapes_are_refused():
         dequantize_mxfp4(blocks[:, :, :1], scales)
     with pytest.raises(ValueError, match="uint8"):
         dequantize_mxfp4(blocks.to(torch.int32), scales)
+
+
+def test_shapes_of_too_few_dimensions_are_refused_with_the_expected_shapes():
+    for blocks_shape, scales_shape in (((2, 3, 4, 16), (2,)), ((16,), ())):
+        with pytest.raises(ValueError, match=r"do not match scales .*expected scales \(\.\.\., R, G\)"):
+            mxfp4_shape(blocks_shape, scales_shape)
+    with pytest.raises(ValueError, match=r"do not match scales"):
+        mxfp4_shape((2, 3, 4, 8), (2, 3, 4))
+    with pytest.raises(ValueError, match=r"at least 2 dimensions"):
+        dequantize_mxfp4(torch.zeros(16, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)[0])
+
+
+def test_any_leading_dimensions_dequantise_as_the_stacked_experts():
+    blocks, scales, expected = quantize_mxfp4(_weight((6, 64, 4), seed=3))  # [E, R, G, 16] with E = 2 * 3
+    stacked = dequantize_mxfp4(blocks, scales)
+    # Two leading dimensions, or none (one expert's [R, G, 16]): the same numbers, [..., G * 32, R].
+    nested = dequantize_mxfp4(blocks.unflatten(0, (2, 3)), scales.unflatten(0, (2, 3)))
+    assert nested.shape == mxfp4_shape((2, 3, *blocks.shape[1:]), (2, 3, *scales.shape[1:])) == (2, 3, 64, 4)
+    assert torch.equal(nested.flatten(0, 1), expected) and torch.equal(stacked, expected)
+    single = dequantize_mxfp4(blocks[4], scales[4])
+    assert single.shape == mxfp4_shape(tuple(blocks.shape[1:]), tuple(scales.shape[1:])) == (64, 4)
+    assert torch.equal(single, expected[4])
+    # The flattened blocks' shape is known too.
+    assert mxfp4_shape(tuple(blocks.flatten(-2).shape), tuple(scales.shape)) == tuple(expected.shape)
+
+
+def test_the_dequantised_dtype_is_the_configs():
+    assert dequantized_dtype({"dtype": "bfloat16"}) == torch.bfloat16
+    assert dequantized_dtype({"torch_dtype": "float16"}) == torch.float16
+    assert dequantized_dtype({"dtype": "torch.bfloat16", "torch_dtype": "float32"}) == torch.bfloat16
+    assert dequantized_dtype({}) == torch.float32  # transformers' default dtype
+    with pytest.raises(ValueError, match="'int8' is not a floating-point"):
+        dequantized_dtype({"dtype": "int8"})
 
 
 def test_pairs_are_found_by_name():

@@ -31,6 +31,7 @@ from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.hf.config_export import PASSTHROUGH_KEYS, config_to_hf, infer_family
 from lightning_moe.models.hf.config_map import FAMILIES, config_from_hf
 from lightning_moe.models.hf.io import SafetensorsReader, read_config, write_config, write_safetensors
+from lightning_moe.models.hf.mxfp4 import dequantized_dtype, mxfp4_pairs
 from lightning_moe.models.hf.size_check import check_declared_sizes
 from lightning_moe.models.hf.source import exported_config
 from lightning_moe.models.hf.weights import hf_state_dict, hf_tensors
@@ -84,7 +85,9 @@ def load_pretrained(
 
     The model is built on the meta device and every parameter is then the tensor read from the
     files (no random initialisation, no second copy), in the file's dtype unless ``dtype`` casts
-    all of them (the router's expert bias stays fp32). ``overrides`` replace config fields (see
+    all of them (the router's expert bias stays fp32). MXFP4 tensors (GPT-OSS's experts) are
+    dequantised to ``config.json``'s dtype, as ``transformers`` does
+    (:func:`~lightning_moe.models.hf.mxfp4.dequantized_dtype`), or to ``dtype``. ``overrides`` replace config fields (see
     ``MoETransformer.from_pretrained``); the family's name and the token ids of ``config.json``
     are kept on the model (``hf_family``, ``hf_extra_config``, and the whole ``config.json`` as
     ``hf_source_config``) for :func:`save_pretrained`.
@@ -96,7 +99,10 @@ def load_pretrained(
     _materialise_buffers(model)
     expected = list(model.state_dict().keys())
     with SafetensorsReader(path) as reader:
-        state = hf_state_dict(reader.get, reader.keys(), config, family, expected)
+        # MXFP4 experts (GPT-OSS) in the dtype their biases are stored in, as transformers loads them;
+        # dequantised straight to dtype= when given (no wider copy first). Other directories' dtype is not read.
+        mxfp4_dtype = dtype or (dequantized_dtype(raw) if mxfp4_pairs(reader.keys()) else torch.float32)
+        state = hf_state_dict(reader.get, reader.keys(), config, family, expected, mxfp4_dtype)
         model.load_state_dict(state, strict=True, assign=True)
     model._tie_weights()
     if dtype is not None:

@@ -15,16 +15,20 @@ is exact in fp32 (and in bf16, which has fp32's exponent range), so dequantising
 gives ``transformers``' numbers in any dtype.
 
 :func:`dequantize_mxfp4` converts whole tensors or any block of them (a rank's experts, rows and
-32-aligned columns), so a rank reads only its slices of the packed tensors.
+32-aligned columns), so a rank reads only its slices of the packed tensors; :func:`dequantized_dtype` is the dtype
+``transformers`` gives them (the directory's ``config.json`` dtype).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCKS_SUFFIX", "FP4_VALUES", "SCALES_SUFFIX", "VALUES_PER_BLOCK", "dequantize_mxfp4", "mxfp4_pairs",
-           "mxfp4_shape"]
+__all__ = ["BLOCKS_SUFFIX", "FP4_VALUES", "SCALES_SUFFIX", "VALUES_PER_BLOCK", "dequantize_mxfp4", "dequantized_dtype",
+           "mxfp4_pairs", "mxfp4_shape"]
 
 BLOCKS_SUFFIX = "_blocks"
 SCALES_SUFFIX = "_scales"
@@ -53,12 +57,13 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.
     ``[..., R, G]``, in ``dtype`` (``transformers``' ``convert_moe_packed_tensors``, computed exactly in
     fp32 and then cast).
 
-    ``blocks`` may also be ``[..., R, G * 16]`` (each block's bytes in the last dimension). At least
-    3 dimensions (the expert one first), as ``transformers`` swaps dimensions 1 and 2.
+    Any leading dimensions (``[E, R, G, 16]`` as stored: the expert one, or none), the last two
+    of the result swapped as ``transformers`` swaps them. ``blocks`` may also be ``[..., R, G * 16]``
+    (each block's bytes in the last dimension).
     """
+    if scales.dim() < 2:
+        raise ValueError(f"MXFP4 scales must be [..., R, G] (at least 2 dimensions), got {tuple(scales.shape)}.")
     blocks = _check(blocks, scales)
-    if blocks.dim() < 4:
-        raise ValueError(f"MXFP4 blocks need an expert dimension: [E, R, G, 16], got {tuple(blocks.shape)}.")
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     low = lut[(blocks & 0x0F).long()]
     high = lut[(blocks >> 4).long()]
@@ -66,16 +71,42 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.
     exponent = scales.to(torch.int32) - SCALE_BIAS
     values = torch.ldexp(values, exponent.unsqueeze(-1).to(torch.float32))
     values = values.flatten(-2)  # [..., R, G * 32]
-    return values.transpose(1, 2).contiguous().to(dtype)
+    return values.transpose(-2, -1).contiguous().to(dtype)
 
 
 def mxfp4_shape(blocks_shape: tuple[int, ...], scales_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape :func:`dequantize_mxfp4` gives for packed tensors of these shapes (nothing read)."""
-    experts, rows, *rest = scales_shape
-    groups = rest[-1] if rest else 0
-    if len(scales_shape) != 3 or tuple(blocks_shape[: len(scales_shape)]) != tuple(scales_shape):
-        raise ValueError(f"MXFP4 blocks {tuple(blocks_shape)} do not match scales {tuple(scales_shape)}.")
-    return (experts, groups * VALUES_PER_BLOCK, rows)
+    """The shape :func:`dequantize_mxfp4` gives for packed tensors of these shapes (nothing read):
+    ``(..., G * 32, R)`` of scales ``(..., R, G)``."""
+    scales_shape, blocks_shape = tuple(scales_shape), tuple(blocks_shape)
+    half = VALUES_PER_BLOCK // 2
+    # Blocks are scales + (16,), or scales with G * 16 last (each block's bytes in the last dimension).
+    if len(scales_shape) < 2 or blocks_shape not in (
+        (*scales_shape, half), (*scales_shape[:-1], scales_shape[-1] * half)
+    ):
+        raise ValueError(
+            f"MXFP4 blocks {blocks_shape} do not match scales {scales_shape}: expected scales (..., R, G) and "
+            f"blocks (..., R, G, {half}) or (..., R, G * {half})."
+        )
+    *leading, rows, groups = scales_shape
+    return (*leading, groups * VALUES_PER_BLOCK, rows)
+
+
+def dequantized_dtype(config: Mapping[str, Any]) -> torch.dtype:
+    """The dtype ``transformers`` dequantises a directory's MXFP4 tensors to: that of the parameters
+    they load into, ``config.json``'s ``dtype`` (or older ``torch_dtype``); fp32 where it names none.
+
+    The stored expert biases are in this dtype too, so the loaded model keeps one dtype throughout.
+    """
+    name = config.get("dtype", config.get("torch_dtype"))
+    if name is None:
+        return torch.float32
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"config.json's dtype {name!r} is not a floating-point torch dtype; MXFP4 weights are dequantised "
+            "to it: set it to e.g. 'bfloat16' or 'float32'."
+        )
+    return dtype
 
 
 def mxfp4_pairs(names: set[str] | list[str]) -> dict[str, tuple[str, str]]:

@@ -21,7 +21,7 @@ A family whose MoE block is laid out otherwise (GPT-OSS: ``mlp.router``, ``gate_
 with gate and up interleaved by column, expert biases) gives its own sources
 (``Family.moe_sources``), written back by inverting them (:func:`split_source`). A tensor stored as
 MXFP4 (``name_blocks`` + ``name_scales``, :mod:`lightning_moe.models.hf.mxfp4`) is read as ``name``,
-dequantised.
+dequantised to the dtype the caller gives (the directory's ``config.json`` dtype, as ``transformers``).
 """
 
 from __future__ import annotations
@@ -272,23 +272,24 @@ def _own_source(moe_sources, match, config: MoETransformerConfig, family: str) -
     return moe_sources(layer, config).get(match.group(2).removeprefix("ffn."))
 
 
-def read_source(source: Source, get: Callable[[str], Tensor]) -> Tensor:
-    """The whole tensor ``source`` describes, read by ``get(name)``."""
+def read_source(source: Source, get: Callable[[str], Tensor], mxfp4_dtype: torch.dtype = torch.float32) -> Tensor:
+    """The whole tensor ``source`` describes, read by ``get(name)``; an MXFP4 part dequantised to
+    ``mxfp4_dtype`` (stored tensors keep their dtype)."""
     if isinstance(source, str):
         return get(source)
     kind = source[0]
     if kind == "cat":
-        return torch.cat([read_source(part, get) for part in source[2]], dim=source[1])
+        return torch.cat([read_source(part, get, mxfp4_dtype) for part in source[2]], dim=source[1])
     if kind == "stack":
-        return torch.stack([read_source(part, get) for part in source[1]])
+        return torch.stack([read_source(part, get, mxfp4_dtype) for part in source[1]])
     if kind == "transpose":
-        return read_source(source[3], get).transpose(source[1], source[2])
+        return read_source(source[3], get, mxfp4_dtype).transpose(source[1], source[2])
     if kind == "deinterleave":
-        return deinterleave(read_source(source[2], get), source[1])
+        return deinterleave(read_source(source[2], get, mxfp4_dtype), source[1])
     if kind == "halves":
-        return read_source(source[2], get).unflatten(source[1], (2, -1))
+        return read_source(source[2], get, mxfp4_dtype).unflatten(source[1], (2, -1))
     if kind == "mxfp4":
-        return dequantize_mxfp4(get(source[1]), get(source[2]))
+        return dequantize_mxfp4(get(source[1]), get(source[2]), mxfp4_dtype)
     raise ValueError(f"Unknown weight source {source!r}.")
 
 
@@ -313,9 +314,12 @@ def hf_state_dict(
     config: MoETransformerConfig,
     family: str,
     expected: Iterable[str],
+    mxfp4_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Tensor]:
     """Our state dict (keys ``expected``, a gated fc1 as ``[E, 2, F, H]``) from a Hugging Face
-    checkpoint read by ``get(name)``.
+    checkpoint read by ``get(name)``; MXFP4 tensors are dequantised to ``mxfp4_dtype``
+    (:func:`~lightning_moe.models.hf.mxfp4.dequantized_dtype` of the directory), every other tensor
+    keeps its stored dtype.
 
     ``available`` are the checkpoint's names: one that maps to nothing is an error naming it,
     except DeepSeek's multi-token-prediction layers (index ``>= num_layers``), skipped with a
@@ -323,7 +327,7 @@ def hf_state_dict(
     """
     available = set(available)
     sources = hf_sources(available, config, family, expected)
-    state = {key: read_source(source, get) for key, source in sources.items()}
+    state = {key: read_source(source, get, mxfp4_dtype) for key, source in sources.items()}
     if is_gated(config.moe.activation):
         for key in state:
             if key.endswith("ffn.experts.fc1_weight"):
