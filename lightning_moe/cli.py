@@ -112,7 +112,8 @@ def export_parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--family", default=None, choices=model_families(),
-        help="--format hf: the Hugging Face family (default: the init_from directory's, else inferred).",
+        help="--format hf, --merge --format hf, --adapter: the Hugging Face family (default: the init_from "
+        "directory's, else inferred).",
     )
     parser.add_argument(
         "--max-shard-size", dest="max_shard_size", default="5GB",
@@ -149,8 +150,9 @@ def export_main(args: list[str]) -> ExportedCheckpoint:
         if options.merge and options.adapter:
             raise ValueError("--merge and --adapter exclude each other: write the merged model or the adapters alone.")
         if options.adapter:
-            if options.format != "torch":
-                raise ValueError("--adapter writes PEFT's format; leave out --format.")
+            if options.format != "torch" or options.max_shard_size != "5GB":
+                raise ValueError("--adapter writes PEFT's format (one adapter_model.safetensors); leave out --format "
+                                 "and --max-shard-size.")
             summary = export_adapter(options.checkpoint, options.output, family=options.family, base=options.base,
                                      overwrite=options.overwrite, verify=not options.no_verify)
         elif options.merge:

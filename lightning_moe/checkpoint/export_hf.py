@@ -189,7 +189,7 @@ def export_hf(
     Args:
         checkpoint: a sharded checkpoint directory or a consolidated checkpoint file.
         output: the directory to write (created; an existing non-empty one needs ``overwrite``).
-        family: ``qwen3_moe``, ``mixtral``, ``olmoe`` or ``deepseek_v3``; default: recorded or inferred.
+        family: a registered family (``model_families()``, e.g. ``qwen3_moe``); default: recorded or inferred.
         overwrite: replace a non-empty ``output`` (only once the export succeeded).
         verify: check every file of a sharded checkpoint against its recorded SHA-256 first.
         max_shard_size: safetensors shard size (bytes or a string such as ``"5GB"``).

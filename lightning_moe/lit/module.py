@@ -108,7 +108,7 @@ class MoELanguageModel(L.LightningModule):
         warmup_steps: linear warm-up steps.
         min_lr_ratio: the cosine schedule ends at ``learning_rate * min_lr_ratio``.
         init_from: a Hugging Face model directory (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE,
-            DeepSeek-V3 / Kimi K2, GLM-4.5: ``config.json`` + safetensors) to start from: the configuration is its ``config.json``
+            DeepSeek-V3 / Kimi K2, GLM-4.5, GPT-OSS: ``config.json`` + safetensors) to start from: the configuration is its ``config.json``
             and training starts from its weights (see :meth:`load_pretrained_weights`).
         model_overrides: with ``init_from``, fields of the configuration read from ``config.json``
             to replace (training settings such as ``max_seq_len``; ``moe`` takes a mapping of

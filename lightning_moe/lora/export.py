@@ -123,7 +123,8 @@ def export_adapter(
     adapters = {key[len(_PREFIX):]: value for key, value in state.items()
                 if key.startswith(_PREFIX) and is_adapter_key(key)}
     if not adapters:
-        raise ValueError(f"{source} records LoRA but holds no adapter tensors.")
+        raise ValueError(f"{source} records LoRA but holds no adapter tensors (its LoRA targets matched no module, or "
+                         "the adapters were filtered out when it was written); export the run's own checkpoint.")
     base_path = base if base is not None else record.get("init_from")
     adapter_config, tensors = peft_adapter(adapters, config, LoRAConfig(**record["config"]), family,
                                            base=None if base_path is None else str(base_path))

@@ -124,7 +124,8 @@ def peft_adapter(
     modules: set[str] = set()
     for kind, pair in sorted(pairs.items()):
         if set(pair) != {"A", "B"}:
-            raise ValueError(f"adapter {'.'.join(kind[1:])} has only lora_{''.join(pair)}: the state dict is incomplete.")
+            raise ValueError(f"adapter {'.'.join(kind[1:])} has only lora_{''.join(pair)}: the state dict is incomplete; "
+                             "pass every adapter entry of the checkpoint (lora_A and lora_B of each module).")
         a, b = (pair["A"].detach().cpu(), pair["B"].detach().cpu())
         if kind[0] == "experts":
             tensors.update(_expert_tensors(kind[1], kind[2], a, b))
@@ -139,7 +140,8 @@ def peft_adapter(
         raise ValueError(f"adapters on {remapped[:6]} cannot be written for PEFT: PEFT reads target_modules named "
                          f"{'/'.join(_PEFT_REMAPPED_NAMES[:3])} in a transformers MoE model as its routed experts and "
                          "would load them onto the expert weights. Export the merged model (export --merge), or "
-                         "train with targets that leave out shared_expert and the dense MLPs.")
+                         "train with targets that leave out shared_expert (in LoRAConfig's default targets) and the "
+                         "dense MLPs, e.g. targets: [experts, q_proj, k_proj, v_proj, o_proj].")
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": int(lora.rank), "lora_alpha": float(lora.alpha), "lora_dropout": 0.0 if experts else float(lora.dropout),

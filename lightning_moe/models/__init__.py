@@ -5,7 +5,7 @@ and the LightningModule in ``lightning_moe.lit`` build on it, and ``lightning_mo
 parallelises it afterwards. Presets of published models are in ``examples/configs/models/``;
 Hugging Face model directories load and save with ``MoETransformer.from_pretrained`` /
 ``save_pretrained`` (:mod:`lightning_moe.models.hf`: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE,
-DeepSeek-V3 / Kimi K2 with multi-head latent attention, GLM-4.5).
+DeepSeek-V3 / Kimi K2 with multi-head latent attention, GLM-4.5, GPT-OSS).
 """
 
 from lightning_moe.models.attention import Attention, CoreAttention, RMSNorm

@@ -366,7 +366,7 @@ class MoETransformer(nn.Module):
     ) -> MoETransformer:
         """Build the model of a Hugging Face model directory and load its weights (Hugging Face's name).
 
-        Reads ``config.json`` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 / Kimi K2 or GLM-4.5; anything this model cannot
+        Reads ``config.json`` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 / Kimi K2, GLM-4.5 or GPT-OSS; anything this model cannot
         reproduce exactly is refused with an error naming the field) and the safetensors files
         (one file or shards with ``model.safetensors.index.json``). Weights keep the dtypes of the
         files unless ``dtype`` is given; ``overrides`` replace fields of the mapped

@@ -1,7 +1,7 @@
 """Hugging Face model directories in and out of :class:`~lightning_moe.models.MoETransformer`.
 
 :func:`load_pretrained` (``MoETransformer.from_pretrained``) reads ``config.json`` and the
-safetensors weights of a Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 (Kimi K2) or GLM-4.5 directory; :func:`save_pretrained`
+safetensors weights of a Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 (Kimi K2), GLM-4.5 or GPT-OSS directory; :func:`save_pretrained`
 (``model.save_pretrained``) writes the directory ``transformers`` loads for that family. No
 ``transformers`` import: the files are read directly (safetensors, the ``hf`` extra).
 

@@ -2,7 +2,8 @@
 
 :func:`infer_family` picks the first registered family that holds a config (MLA: DeepSeek-V3; q/k
 norm over the whole projection: OLMoE; per head: Qwen3-MoE; none: Mixtral; a gated shared expert
-and q/k/v biases: Qwen2-MoE; sigmoid routing or partial rotary with multi-head attention: GLM-4.5);
+and q/k/v biases: Qwen2-MoE; sigmoid routing or partial rotary with multi-head attention: GLM-4.5; the clamped SwiGLU:
+GPT-OSS);
 :func:`config_to_hf` checks that the family's ``transformers`` implementation computes exactly
 this model and refuses, naming the setting, whatever it cannot hold (a shared expert in Mixtral,
 sigmoid scores in Qwen3, q/k/v biases in OLMoE...).

@@ -2,9 +2,10 @@
 
 Each family is mapped exactly as ``transformers`` 5.x builds it (its modeling files are the
 reference; ``tests/models/test_hf_families.py`` compares the logits): anything this model
-cannot reproduce (a binding sliding window where the family has none, attention biases or partial rotary where the family's
-code has none, q/k/v clipping, rope types other than default and YaRN, quantised weights other
-than MXFP4, another activation...) is refused with an error that names the field, never silently approximated. Keys a published ``config.json`` may omit take the
+cannot reproduce (a binding sliding window outside GPT-OSS, attention biases or partial rotary
+where the family's code has none, q/k/v clipping, rope types other than default and YaRN,
+quantised weights other than MXFP4, another activation...) is refused with an error that names
+the field, never silently approximated. Keys a published ``config.json`` may omit take the
 defaults of ``transformers``' config classes. The reverse direction is :mod:`.config_export`.
 
 This module holds what every family shares (the common keys, rope, the common refusals); each

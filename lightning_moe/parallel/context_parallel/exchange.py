@@ -112,9 +112,9 @@ def context_parallel_attention(
         group: the CP process group (ranks in the order of their chunks).
         cp_comm_type: ``"p2p"`` (ring) or ``"all_gather"``.
         softmax_scale: multiplies ``q @ k^T``; None is ``D ** -0.5``.
-        block_kernel: the ring's attention kernel per step (``p2p`` only): ``"auto"`` (the device's
-            fused kernel where it applies), ``"math"`` (fp32 matmuls), ``"cpu_flash"``, ``"cuda_flash"``
-            (:mod:`lightning_moe.parallel.context_parallel.blocks`).
+        block_kernel: the attention kernel of the ring's steps, and of the all-gather with sinks:
+            ``"auto"`` (the device's fused kernel where it applies), ``"math"`` (fp32 matmuls),
+            ``"cpu_flash"``, ``"cuda_flash"`` (:mod:`lightning_moe.parallel.context_parallel.blocks`).
         sinks: ``[H]`` attention sinks (GPT-OSS), one logit per query head in every softmax
             denominator (:mod:`lightning_moe.parallel.context_parallel.lse`).
         window: sliding window ``W``: query ``i`` sees keys ``i - W < j <= i`` (global positions).
