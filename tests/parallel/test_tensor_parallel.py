@@ -109,7 +109,8 @@ def test_tensor_parallel_training_equals_single_device(layout, clip, tmp_path):
 
 def shrink(config: MoETransformerConfig) -> MoETransformerConfig:
     """A preset at toy size with its structure kept: dense or no dense FFN, GQA or MHA, head_dim,
-    qk-norm, shared experts, expert groups and bias, score function, first dense layers."""
+    qk-norm, shared experts, expert groups and bias, score function, first dense layers, biases,
+    sinks and sliding-window layers."""
     moe = config.moe
     groups = {"num_groups": 4, "group_top_k": 2} if moe.num_groups else {}
     small_moe = dataclasses.replace(
@@ -121,6 +122,9 @@ def shrink(config: MoETransformerConfig) -> MoETransformerConfig:
         num_kv_heads=2 if config.num_kv_heads else None, head_dim=8 if config.head_dim else None,
         ffn_hidden_size=64 if config.ffn_hidden_size else None, max_seq_len=32,
         first_dense_layers=min(config.first_dense_layers, 1), init_std=0.2, moe=small_moe,
+        # GPT-OSS: its first sliding and full layers, with a window that binds at max_seq_len.
+        layer_types=config.layer_types[:2] if config.layer_types else None,
+        sliding_window=min(config.sliding_window, 4) if config.sliding_window else None,
     )
     if config.attention == "mla":  # the published latent widths with init_std 0.2 saturate the softmax
         small = dataclasses.replace(
