@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,13 +64,32 @@ def _base_path(record: dict, checkpoint: Path, base: str | os.PathLike | None) -
     return Path(path)
 
 
-def _replace(partial: Path, target: Path, source: Path, overwrite: bool) -> None:
-    _check_output(target, source, overwrite)  # it may have appeared while the checkpoint was read
-    if target.is_dir():
-        shutil.rmtree(target)
-    elif target.exists():
-        target.unlink()
-    os.replace(partial, target)
+def _write_atomically(target: Path, source: Path, overwrite: bool, write: Callable[[Path], None]) -> None:
+    """``write(partial)`` next to ``target``, then swap it in; on any failure nothing is left behind."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(target, uuid.uuid4().hex)
+    try:
+        write(partial)
+        _check_output(target, source, overwrite)  # it may have appeared while the checkpoint was read
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        os.replace(partial, target)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
+        failure = write_failure(target, err)
+        if failure is err:
+            raise
+        raise failure from err
+
+
+def _exported(source: Path, target: Path, kind, layout, verified: bool, tensors: dict) -> ExportedCheckpoint:
+    return ExportedCheckpoint(
+        source=source, output=target, kind=kind, num_tensors=len(tensors),
+        num_bytes=sum(v.numel() * v.element_size() for v in tensors.values()), layout=layout, verified=verified,
+    )
 
 
 def _lora_record(extras: dict, source: Path) -> dict:
@@ -128,24 +148,14 @@ def export_adapter(
     base_path = base if base is not None else record.get("init_from")
     adapter_config, tensors = peft_adapter(adapters, config, LoRAConfig(**record["config"]), family,
                                            base=None if base_path is None else str(base_path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(target, uuid.uuid4().hex)
-    try:
+
+    def write(partial: Path) -> None:
         partial.mkdir()
         (partial / PEFT_CONFIG_NAME).write_text(json.dumps(adapter_config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(partial / PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
-        _replace(partial, target, source, overwrite)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(partial)
-        failure = write_failure(target, err)
-        if failure is err:
-            raise
-        raise failure from err
-    return ExportedCheckpoint(
-        source=source, output=target, kind=kind, num_tensors=len(tensors),
-        num_bytes=sum(v.numel() * v.element_size() for v in tensors.values()), layout=layout, verified=verified,
-    )
+
+    _write_atomically(target, source, overwrite, write)
+    return _exported(source, target, kind, layout, verified, tensors)
 
 
 def export_merged(
@@ -203,22 +213,12 @@ def export_merged(
                          f"{result.unexpected_keys[:8]}.")
     merge_lora(model)
     merged = {_PREFIX + key: value for key, value in model.state_dict().items()}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(target, uuid.uuid4().hex)
-    try:
+
+    def write(partial: Path) -> None:
         if fmt == "torch":
             torch.save(merged, partial)
         else:
             save_pretrained(model, partial, family=family, max_shard_size=max_shard_size)
-        _replace(partial, target, source, overwrite)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
-        failure = write_failure(target, err)
-        if failure is err:
-            raise
-        raise failure from err
-    return ExportedCheckpoint(
-        source=source, output=target, kind=kind, num_tensors=len(merged),
-        num_bytes=sum(v.numel() * v.element_size() for v in merged.values()), layout=layout, verified=verified,
-    )
+
+    _write_atomically(target, source, overwrite, write)
+    return _exported(source, target, kind, layout, verified, merged)

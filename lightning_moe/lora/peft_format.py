@@ -38,6 +38,7 @@ from torch import Tensor
 
 from lightning_moe.lora.config import LoRAConfig
 from lightning_moe.models.config import MoETransformerConfig
+from lightning_moe.models.hf.registry import family as _family
 
 __all__ = ["PEFT_CONFIG_NAME", "PEFT_WEIGHTS_NAME", "peft_adapter"]
 
@@ -49,8 +50,6 @@ _EXPERT_KEY = re.compile(r"layers\.(\d+)\.ffn\.experts\.(fc[12])_lora_([AB])")
 _LINEAR_KEY = re.compile(r"(.+)\.lora_([AB])")
 # Linear names PEFT re-targets at the fused experts of a transformers 5 MoE model (module docstring).
 _PEFT_REMAPPED_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
-# Families whose transformers experts are not [E, out, in] with [gate ; up] rows.
-_EXPERT_LAYOUT_REFUSED = {"gpt_oss": "stores its experts transposed with gate and up columns interleaved"}
 
 
 def _expert_tensors(layer: str, fc: str, a: Tensor, b: Tensor) -> dict[str, Tensor]:
@@ -115,9 +114,11 @@ def peft_adapter(
             raise ValueError(f"{key!r} is not an adapter key of this package (lora_A/lora_B, fc1_lora_A ...).")
         pairs.setdefault(("linear", match.group(1)), {})[match.group(2)] = value
     experts = any(kind[0] == "experts" for kind in pairs)
-    if experts and family in _EXPERT_LAYOUT_REFUSED:
-        raise ValueError(f"PEFT export of expert adapters for {family!r} is not supported: transformers "
-                         f"{_EXPERT_LAYOUT_REFUSED[family]}. Export the merged model instead (export --merge).")
+    if experts and _family(family).moe_sources is not None:
+        # A family with its own expert sources (GPT-OSS: transposed, gate/up interleaved) is not [E, out, in].
+        raise ValueError(f"PEFT export of expert adapters for {family!r} is not supported: transformers stores its "
+                         "experts in another layout (transposed, gate and up interleaved). Export the merged model "
+                         "instead (export --merge).")
     tensors: dict[str, Tensor] = {}
     unmapped: list[str] = []
     remapped: list[str] = []

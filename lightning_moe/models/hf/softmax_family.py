@@ -12,7 +12,10 @@ from lightning_moe.layers.config import MoEConfig
 from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.hf.fields import Fields, aux_loss
 
-__all__ = ["refuse_sliding_window", "softmax_fields", "softmax_moe", "softmax_router_problems"]
+__all__ = [
+    "qwen_moe_layers", "refuse_qwen_sliding_window", "refuse_sliding_window", "softmax_fields", "softmax_moe",
+    "softmax_router_problems",
+]
 
 
 def softmax_moe(fields: Fields, ffn_key: str, renormalise: bool, shared: dict[str, Any] | None = None) -> MoEConfig:
@@ -36,6 +39,21 @@ def refuse_sliding_window(fields: Fields, window: int | None) -> None:
             "checkpoint without a sliding window, or set sliding_window to null (or >= max_position_embeddings) "
             "in config.json if the model was trained without one."
         )
+
+
+def refuse_qwen_sliding_window(fields: Fields) -> None:
+    """Qwen2/Qwen3-MoE: ``sliding_window`` counts only with ``use_sliding_window`` (as transformers reads it)."""
+    window = fields.raw.get("sliding_window") if fields.raw.get("use_sliding_window", False) else None
+    refuse_sliding_window(fields, window)
+
+
+def qwen_moe_layers(fields: Fields, num_layers: int) -> int | list[int]:
+    """Qwen2/Qwen3-MoE's MoE layers (``moe_layer_freq``): every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers``; 1 when that is every layer."""
+    dense = set(fields["mlp_only_layers"] or [])
+    step = int(fields["decoder_sparse_step"])
+    flags = [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
+    return 1 if all(flags) else flags
 
 
 def softmax_router_problems(

@@ -15,7 +15,8 @@ from lightning_moe.models.config import MoETransformerConfig
 from lightning_moe.models.hf.fields import Fields
 from lightning_moe.models.hf.registry import Family, register_family
 from lightning_moe.models.hf.softmax_family import (
-    refuse_sliding_window,
+    qwen_moe_layers,
+    refuse_qwen_sliding_window,
     softmax_fields,
     softmax_moe,
     softmax_router_problems,
@@ -28,25 +29,12 @@ def _moe(fields: Fields) -> MoEConfig:
     return softmax_moe(fields, "moe_intermediate_size", renormalise=bool(fields["norm_topk_prob"]))
 
 
-def _refuse_model(fields: Fields) -> None:
-    # transformers ignores the window unless use_sliding_window.
-    window = fields.raw.get("sliding_window") if fields.raw.get("use_sliding_window", False) else None
-    refuse_sliding_window(fields, window)
-
-
-def _moe_layers(fields: Fields, num_layers: int) -> int | list[int]:
-    dense = set(fields["mlp_only_layers"] or [])
-    step = int(fields["decoder_sparse_step"])
-    flags = [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
-    return 1 if all(flags) else flags
-
-
 def _model(fields: Fields, common: dict[str, Any]) -> MoETransformerConfig:
     head_dim = fields.raw.get("head_dim")
     return MoETransformerConfig(
         **common, head_dim=None if head_dim is None else int(head_dim),
         ffn_hidden_size=int(fields["intermediate_size"]), qk_norm=True,
-        moe=_moe(fields), moe_layer_freq=_moe_layers(fields, common["num_layers"]),
+        moe=_moe(fields), moe_layer_freq=qwen_moe_layers(fields, common["num_layers"]),
     )
 
 
@@ -72,7 +60,7 @@ QWEN3_MOE = register_family(Family(
               "router_aux_loss_coef": 0.001, "use_sliding_window": False, "sliding_window": None,
               "head_dim": None, "num_key_value_heads": 4},
     expert_count_keys=("num_experts", "num_local_experts"),
-    moe_config=_moe, model_config=_model, refuse_model=_refuse_model,
+    moe_config=_moe, model_config=_model, refuse_model=refuse_qwen_sliding_window,
     attention="mha", qk_norm="head", export_problems=_export_problems, export_fields=_export_fields,
     block_class="Qwen3MoeSparseMoeBlock",
 ))
