@@ -341,6 +341,16 @@ def test_meta_built_router_materialises_like_an_eager_one():
     assert lazy.expert_bias.dtype == torch.float32
 
 
+def test_building_a_router_on_meta_draws_nothing():
+    """A strategy builds every router on the meta device and draws its weights at materialisation:
+    building it must not draw (and so advance the global RNG) for a tensor it cannot hold."""
+    config = MoEConfig(hidden_size=64, ffn_hidden_size=8, num_experts=16)
+    before = torch.get_rng_state()
+    with torch.device("meta"):
+        TopKRouter(config)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize(
     ("router_dtype", "input_dtype", "probs_dtype"),
     [
