@@ -11,7 +11,7 @@ other process (:mod:`lightning_moe.planning`). A configuration for GPUs (``accel
 ``cuda``, or ``auto`` and unset) is planned with the GPU's kernels' memory. Printed for the largest
 rank, and per pipeline stage: the bytes of parameters, gradients, optimizer states, activations and
 buffers at the peak (the token dispatchers' part apart), the peak; with ``--gpu_memory`` whether it
-fits; the bytes of the collective buffers per step by kind; a warning for a TP, CP, EP or ETP group
+fits; the bytes the rank sends per step by kind of collective; a warning for a TP, CP, EP or ETP group
 that spans nodes. ``--json`` prints one JSON object instead.
 """
 
@@ -186,7 +186,7 @@ def format_plan(result: Plan) -> str:
             b = stage.bytes()
             lines.append(f"  stage {stage.stage} (rank {stage.step.rank}): params {_gib(b['params_bytes'])}, "
                          f"optimizer {_gib(b['optimizer_bytes'])}, peak {_gib(b['peak_bytes'])}")
-    lines.append(f"collective buffers per step, rank {largest.step.rank}:")
+    lines.append(f"bytes sent per step, rank {largest.step.rank}:")
     for kind, value in largest.communication.items():
         if value:
             lines.append(f"  {kind.replace('_', ' '):<38}{_gib(value):>14}")

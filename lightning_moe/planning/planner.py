@@ -230,9 +230,9 @@ def classify_collective(c: Collective, groups: dict[str, tuple[int, ...]], fsdp:
 
 def communication_bytes(collectives: list[Collective], dims: ParallelDims, rank: int,
                         sharding_strategy: str) -> dict[str, int]:
-    """Bytes of the buffers of ``collectives`` (their first tensor) per kind, for ``rank`` of ``dims``."""
+    """Bytes ``rank`` of ``dims`` sends for ``collectives`` (`Collective.sent_bytes`), per kind."""
     groups = {name: tuple(dims.group_of(name, rank)) for name in ("tp", "cp", "dp", "dp_cp", "edp")}
     totals = Counter({kind: 0 for kind in COMMUNICATION_KINDS})
     for c in collectives:
-        totals[classify_collective(c, groups, sharding_strategy != "NO_SHARD")] += c.nbytes
+        totals[classify_collective(c, groups, sharding_strategy != "NO_SHARD")] += c.sent_bytes
     return dict(totals)

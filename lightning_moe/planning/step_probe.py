@@ -59,6 +59,7 @@ from lightning_moe.compat import (
     unbox_process_group,
 )
 from lightning_moe.planning.live_bytes import LiveBytes
+from lightning_moe.planning.wire_bytes import sent_bytes
 
 __all__ = ["COLLECTIVE_NAMESPACES", "Collective", "HostRead", "StepProbe", "StepRecord"]
 
@@ -115,6 +116,8 @@ class Collective:
     """The reduction of ``all_reduce`` and ``reduce_scatter``: ``sum``, ``max``, ``avg``, ...; ``""`` for the others."""
     nbytes: int = 0
     """Bytes of its first tensor argument."""
+    sent_bytes: int = 0
+    """Bytes this rank sends for it under ring/pairwise algorithms (`lightning_moe.planning.wire_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +307,7 @@ class StepProbe(LiveBytes):
             return self._answer(sys._getframe(1))
         name = str(func.overloadpacket)
         if name in _KIND_OF:
-            self._record_collective(_KIND_OF[name], func, args, kwargs)
+            self._record_collective(_KIND_OF[name], name, args, kwargs)
         elif func.namespace in COLLECTIVE_NAMESPACES and name not in _IGNORED:
             raise AssertionError(f"collective {name} is not classified in lightning_moe.planning.step_probe._KINDS")
         out = func(*args, **kwargs)
@@ -314,7 +317,7 @@ class StepProbe(LiveBytes):
                     self._count(tensor)
         return out
 
-    def _record_collective(self, kind: str, func, args: tuple, kwargs: dict) -> None:
+    def _record_collective(self, kind: str, name: str, args: tuple, kwargs: dict) -> None:
         group = None
         flat = tree_flatten((args, kwargs))[0]
         for arg in flat:
@@ -323,10 +326,13 @@ class StepProbe(LiveBytes):
         if group is None:  # functional collectives name their group last
             group = resolve_process_group([a for a in args if isinstance(a, str)][-1])
         first = next(a for a in flat if isinstance(a, torch.Tensor))
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if kwargs:  # torch.distributed passes them positionally; sent_bytes reads them by position
+            raise AssertionError(f"collective {name} called with keyword arguments {sorted(kwargs)}")
         self.record.collectives.append(Collective(
-            kind, tuple(dist.get_process_group_ranks(group)), self.tracker.is_bw, self._module(),
+            kind, ranks, self.tracker.is_bw, self._module(),
             _site(sys._getframe(2))[0].split(":")[0], tuple(first.shape), _reduce_op(kind, flat),
-            first.numel() * first.element_size(),
+            first.numel() * first.element_size(), sent_bytes(kind, name, args, ranks, dist.get_rank()),
         ))
 
     def _module(self) -> str | None:

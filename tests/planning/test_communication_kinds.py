@@ -13,9 +13,9 @@ RANK = 0
 GROUPS = {name: tuple(DIMS.group_of(name, RANK)) for name in ("tp", "cp", "dp", "dp_cp", "edp")}
 
 
-def _c(kind, ranks, site="", module=None, nbytes=8):
+def _c(kind, ranks, site="", module=None, sent=8):
     return Collective(kind, tuple(ranks), False, module, site, (1,), "sum" if kind in ("all_reduce", "reduce_scatter") else "",
-                      nbytes)
+                      8, sent)
 
 
 @pytest.mark.parametrize(("collective", "fsdp", "kind"), [
@@ -34,9 +34,9 @@ def test_each_collective_has_its_kind(collective, fsdp, kind):
     assert classify_collective(collective, GROUPS, fsdp) == kind
 
 
-def test_bytes_are_summed_per_kind_and_every_kind_is_reported():
-    steps = [_c("all_to_all", (0, 1, 2, 3), nbytes=100), _c("all_to_all", (0, 1, 2, 3), nbytes=50),
-             _c("recv", (0, 8), site="runner.py", nbytes=7)]
+def test_sent_bytes_are_summed_per_kind_and_every_kind_is_reported():
+    steps = [_c("all_to_all", (0, 1, 2, 3), sent=100), _c("all_to_all", (0, 1, 2, 3), sent=50),
+             _c("send", (0, 8), site="runner.py", sent=7)]
     totals = communication_bytes(steps, DIMS, RANK, "NO_SHARD")
     assert set(totals) == set(COMMUNICATION_KINDS)
     assert totals["token_dispatch"] == 150 and totals["pipeline"] == 7 and sum(totals.values()) == 157
