@@ -57,7 +57,7 @@ from lightning_moe.planning.plan_config import (
     is_reference,
     plan_cli,
 )
-from lightning_moe.planning.repeated_blocks import BlockCut, cut_blocks
+from lightning_moe.planning.repeated_blocks import BlockCut, cut_blocks, stage_signatures
 from lightning_moe.planning.step_probe import Collective, StepProbe
 
 __all__ = ["RankStep", "fake_fit_rank"]
@@ -89,6 +89,8 @@ class RankStep:
     """The largest live bytes in each phase of the step (``forward``, ``backward``, ``optimizer``, ...)."""
     cut_blocks: dict[int, int] = field(default_factory=dict)
     """Kinds of blocks this run cut (`~lightning_moe.planning.repeated_blocks`): how many the rank holds."""
+    stage_signatures: list | None = None
+    """Of a run that cuts blocks: every pipeline stage's `~lightning_moe.planning.repeated_blocks.stage_signatures`."""
 
     @property
     def activation_bytes(self) -> int:
@@ -122,8 +124,9 @@ def fake_fit_rank(
         objects = FakeObjects() if objects is None else objects
         objects.new_rank()
         cut_kinds: dict[int, int] = {}
+        signatures: list = []
         with _faked_training(meter, cli.planned_for_gpu, _routing_answers(cli, imbalance), objects), \
-                _blocks_cut(rank, cut, cut_kinds):
+                _blocks_cut(rank, cut, cut_kinds, signatures):
             if loader is None:
                 trainer.fit(module, datamodule=cli.datamodule)
             else:
@@ -135,6 +138,7 @@ def fake_fit_rank(
             )
         meter.result.rank = rank
         meter.result.cut_blocks = cut_kinds
+        meter.result.stage_signatures = signatures[0] if signatures else None
         return meter.result
 
 
@@ -222,9 +226,9 @@ class _StepMeter(L.Callback):
 
 
 @contextmanager
-def _blocks_cut(rank: int, cut: BlockCut | None, found: dict[int, int]) -> Iterator[None]:
+def _blocks_cut(rank: int, cut: BlockCut | None, found: dict[int, int], signatures: list) -> Iterator[None]:
     """Cut the rank's blocks (`cut_blocks`) when the strategy sets the model up, before it splits or
-    shards it; ``found`` gets the kinds cut."""
+    shards it; ``found`` gets the kinds cut, ``signatures`` every stage's `stage_signatures`."""
     if cut is None:
         yield
         return
@@ -235,10 +239,9 @@ def _blocks_cut(rank: int, cut: BlockCut | None, found: dict[int, int]) -> Itera
     def setup(self, trainer) -> None:
         pipeline = self._pipeline
         dims = self.parallel_dims(self.num_nodes * self.num_processes)
-        kinds, split = cut_blocks(
-            self.lightning_module, dims.coords(rank).pp, dims.pp, 1 if pipeline is None else pipeline.virtual_stages,
-            None if pipeline is None else pipeline.layer_split, cut,
-        )
+        virtual, layer_split = (1, None) if pipeline is None else (pipeline.virtual_stages, pipeline.layer_split)
+        signatures.append(stage_signatures(self.lightning_module, dims.pp, virtual, layer_split))
+        kinds, split = cut_blocks(self.lightning_module, dims.coords(rank).pp, dims.pp, virtual, layer_split, cut)
         if pipeline is not None:
             pipeline.layer_split = split
         found.update(kinds)

@@ -4,8 +4,10 @@ per rank, before any GPU is rented.
 Runs the configuration's real setup and training step (`lightning_moe.planning.fake_fit`) once per
 distinct rank role: the first rank of every pipeline stage (ranks of one stage hold the same shapes:
 the layouts shard evenly, routing is taken balanced times ``imbalance``), several at once in forked
-processes (`lightning_moe.planning.rank_runs`); with ``fast=True`` a stage's repeated blocks are
-extrapolated from runs with one and two of them (`lightning_moe.planning.repeated_blocks`). The largest of them is the answer; every stage is
+processes (`lightning_moe.planning.rank_runs`). With ``fast=True`` a stage's repeated blocks are
+extrapolated from runs with one and two of them (`lightning_moe.planning.repeated_blocks`), and
+three or more middle stages holding the same kinds of blocks are drawn on the line through two of
+them (`lightning_moe.planning.stage_roles`). The largest rank is the answer; every stage is
 reported.
 """
 
@@ -24,6 +26,7 @@ from lightning_moe.planning.layouts import cross_node_warnings
 from lightning_moe.planning.plan_config import PlanConfigError, read_layout
 from lightning_moe.planning.rank_runs import default_jobs, run_ranks
 from lightning_moe.planning.repeated_blocks import BlockCut, extrapolate
+from lightning_moe.planning.stage_roles import interpolate_step, interpolated_stages, line
 from lightning_moe.planning.step_probe import Collective
 
 __all__ = [
@@ -137,7 +140,8 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     process; see `lightning_moe.planning.rank_runs`). ``fast``: plan a stage with many blocks of
     one kind from runs with one and two of them (`lightning_moe.planning.repeated_blocks`: 2.3
     times faster on DeepSeek-V3's last stage, whose peak it puts 1.3% higher than running every
-    block; equal on the tested small layouts).
+    block; equal on the tested small layouts), and the middle stages that hold the same kinds of
+    blocks from two of them (`lightning_moe.planning.stage_roles`: exact).
     """
     layout = read_layout(args)
     dims = layout.dims
@@ -159,48 +163,87 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
                              objects=objects, cut=BlockCut(grown) if fast else None)
 
     jobs = default_jobs(len(order)) if jobs is None else jobs
-    sent: dict = {}
-    base = run_ranks([(rank, None) for rank in order], run, jobs, sent)
-    grown_keys = [(rank, kind) for rank in order for kind in base[rank, None].cut_blocks]
-    grown = run_ranks(grown_keys, run, jobs, sent) if grown_keys else {}
+    base, grown, signatures, shared = _run_stages(order, dims, run, jobs, fast)
 
-    def stage_plan(stage: int, rank: int) -> StagePlan:
+    def measured(stage: int) -> tuple[_Run, dict[int, _Run]]:
+        rank = roles[stage]
+
+        def with_bytes(step: RankStep) -> _Run:
+            return step, communication_bytes(step.collectives, dims, rank, layout.sharding_strategy)
+
         step = base[rank, None]
-        kinds = {kind: grown[rank, kind] for kind in step.cut_blocks}
-        return _whole_stage(stage, step, kinds, lambda s: communication_bytes(
-            s.collectives, dims, rank, layout.sharding_strategy))
+        return with_bytes(step), {kind: with_bytes(grown[rank, kind]) for kind in step.cut_blocks}
 
-    stages = [stage_plan(stage, rank) for stage, rank in sorted(roles.items())]
+    def stage_plan(stage: int) -> StagePlan:
+        if stage not in shared:
+            return _whole_stage(stage, *measured(stage))
+        a, b = shared[stage]
+        (base_a, grown_a), (base_b, grown_b) = measured(a), measured(b)
+
+        def at(run_a: _Run, run_b: _Run) -> _Run:
+            step = interpolate_step(run_a[0], run_b[0], a, b, stage, rank=roles[stage], held=signatures[stage][1])
+            return step, {kind: line(run_a[1][kind], run_b[1][kind], a, b, stage) for kind in run_a[1]}
+
+        return _whole_stage(stage, at(base_a, base_b), {kind: at(grown_a[kind], grown_b[kind]) for kind in grown_a})
+
+    stages = [stage_plan(stage) for stage in sorted(roles)]
     return Plan(list(args), dims, layout.sharding_strategy, layout.precision, layout.devices_per_node,
                 layout.num_nodes, imbalance, stages, None if gpu_memory is None else parse_bytes(gpu_memory), warnings)
+
+
+_Run = tuple[RankStep, dict[str, int]]
+"""A planning run's step and the bytes it sends per kind of collective."""
+
+
+def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool):
+    """Run the planning runs: every stage's first rank, and with ``fast`` the runs with two blocks
+    of each cut kind, the middle stages of one signature but two left out
+    (`lightning_moe.planning.stage_roles`). Returns the runs with one block per cut kind (``{(rank,
+    None): step}``), those with two (``{(rank, kind): step}``), the stages' signatures and the
+    stages planned from two others (``{stage: (a, b)}``)."""
+    sent: dict = {}
+    ends = [r for r in order if dims.coords(r).pp in (0, dims.pp - 1)] if fast else order
+    base = run_ranks([(rank, None) for rank in ends], run, jobs, sent)
+    signatures = base[order[0], None].stage_signatures
+    if not fast:
+        return base, {}, signatures, {}
+    shared = interpolated_stages(signatures, dims.pp) if signatures else {}
+    middle = [r for r in order if r not in ends and dims.coords(r).pp not in shared]
+    # The middle stages' runs with one block, and the ends' runs with two, together: all can start.
+    more = run_ranks([*((rank, None) for rank in middle),
+                      *((rank, kind) for rank in ends for kind in base[rank, None].cut_blocks)], run, jobs, sent)
+    base.update({key: step for key, step in more.items() if key[1] is None})
+    grown = {key: step for key, step in more.items() if key[1] is not None}
+    grown.update(run_ranks([(rank, kind) for rank in middle for kind in base[rank, None].cut_blocks], run, jobs, sent))
+    return base, grown, signatures, shared
 
 
 _EXTRAPOLATED = ("params_bytes", "grads_bytes", "optimizer_bytes", "start_bytes", "host_reads")
 
 
-def _whole_stage(stage: int, base: RankStep, grown: dict[int, RankStep], communication) -> StagePlan:
+def _whole_stage(stage: int, base: _Run, grown: dict[int, _Run]) -> StagePlan:
     """The stage's plan from its run with one block of each cut kind and, per kind, the run with
     two of it (`lightning_moe.planning.repeated_blocks`); the run itself when nothing was cut."""
-    base_bytes = communication(base)
+    base_step, base_bytes = base
     if not grown:
-        return StagePlan(stage, base, base_bytes)
-    held = base.cut_blocks
+        return StagePlan(stage, base_step, base_bytes)
+    held = base_step.cut_blocks
 
     def whole(base_value: int, grown_value) -> int:
-        return round(extrapolate(base_value, {k: grown_value(s) for k, s in grown.items()}, held))
+        return round(extrapolate(base_value, {k: grown_value(s) for k, (s, _) in grown.items()}, held))
 
-    values = {name: whole(getattr(base, name), lambda s, name=name: getattr(s, name)) for name in _EXTRAPOLATED}
+    values = {name: whole(getattr(base_step, name), lambda s, name=name: getattr(s, name)) for name in _EXTRAPOLATED}
     # The dispatchers' buffers at the peak belong to the layer running then, not to every block: the
     # run with the most blocks tells them best.
-    values["dispatch_bytes"] = max(s.dispatch_bytes for s in grown.values())
+    values["dispatch_bytes"] = max(s.dispatch_bytes for s, _ in grown.values())
     # Each phase's peak grows by its own amount per block (the forward's by what a block keeps, the
     # backward's less what it frees): the step's peak is the largest of the phases' peaks.
-    phases = {phase: whole(peak, lambda s, phase=phase: s.phase_peaks[phase]) for phase, peak in base.phase_peaks.items()}
+    phases = {phase: whole(peak, lambda s, phase=phase: s.phase_peaks[phase])
+              for phase, peak in base_step.phase_peaks.items()}
     values["peak_bytes"] = max([values["start_bytes"], *phases.values()])
-    grown_bytes = {kind: communication(step) for kind, step in grown.items()}
-    whole_step = dataclasses.replace(base, collectives=[], phase_peaks=phases, **values)
+    whole_step = dataclasses.replace(base_step, collectives=[], phase_peaks=phases, **values)
     return StagePlan(stage, whole_step, {
-        kind: round(extrapolate(base_bytes[kind], {k: b[kind] for k, b in grown_bytes.items()}, held))
+        kind: round(extrapolate(base_bytes[kind], {k: b[kind] for k, (_, b) in grown.items()}, held))
         for kind in base_bytes
     })
 

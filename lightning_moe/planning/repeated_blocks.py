@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_moe.parallel.pipeline.split import layer_split, pipeline_parts_of
 
-__all__ = ["BlockCut", "cut_blocks", "extrapolate"]
+__all__ = ["BlockCut", "cut_blocks", "extrapolate", "stage_signatures"]
 
 _SETUP = 1
 """What a run costs besides its blocks (the model's setup, the embedding, the head), in blocks."""
@@ -61,6 +61,27 @@ def _network(module: nn.Module) -> nn.Module | None:
     return None
 
 
+def _stage_blocks(network: nn.Module, pp: int, split: list[int] | None) -> tuple[list[nn.Module], list[int]]:
+    blocks = list(getattr(network, pipeline_parts_of(network).blocks))
+    return blocks, (layer_split(len(blocks), pp, split) if pp > 1 else [len(blocks)])
+
+
+def _kept(mine: list[nn.Module], cut: BlockCut) -> tuple[list[tuple], dict[int, int], list[int]]:
+    """The stage's blocks' kinds, the kinds cut with the blocks of each on the stage, and the
+    positions of the blocks a run keeps."""
+    kinds: dict[tuple, int] = {}
+    of_kind = [kinds.setdefault(_kind(b), len(kinds)) for b in mine]
+    held = Counter(of_kind)
+    cut_kinds = {k: held[k] for k in _cheapest_cut(held)}
+    kept, seen = [], Counter()
+    for position, kind in enumerate(of_kind):
+        wanted = 1 + (kind == cut.grown) if kind in cut_kinds else held[kind]
+        if seen[kind] < wanted:
+            kept.append(position)
+            seen[kind] += 1
+    return list(kinds), cut_kinds, kept
+
+
 def cut_blocks(module: nn.Module, pp_rank: int, pp: int, virtual_stages: int, split: list[int] | None,
                cut: BlockCut) -> tuple[dict[int, int], list[int] | None]:
     """Cut the blocks of pipeline rank ``pp_rank``'s stage of ``module``'s network (meta) as ``cut`` says.
@@ -72,27 +93,39 @@ def cut_blocks(module: nn.Module, pp_rank: int, pp: int, virtual_stages: int, sp
     network = _network(module)
     if network is None or virtual_stages != 1:
         return {}, split
-    parts = pipeline_parts_of(network)
-    blocks = list(getattr(network, parts.blocks))
-    counts = layer_split(len(blocks), pp, split) if pp > 1 else [len(blocks)]
+    blocks, counts = _stage_blocks(network, pp, split)
     start = sum(counts[:pp_rank])
     mine = blocks[start:start + counts[pp_rank]]
-    kinds: dict[tuple, int] = {}
-    of_kind = [kinds.setdefault(_kind(b), len(kinds)) for b in mine]
-    held = Counter(of_kind)
-    cut_kinds = {k: held[k] for k in _cheapest_cut(held)}
+    _, cut_kinds, kept = _kept(mine, cut)
     if not cut_kinds:
         return {}, split
-    kept, seen = [], Counter()
-    for block, kind in zip(mine, of_kind):
-        wanted = 1 + (kind == cut.grown) if kind in cut_kinds else held[kind]
-        if seen[kind] < wanted:
-            kept.append(block)
-            seen[kind] += 1
-    setattr(network, parts.blocks, nn.ModuleList([*blocks[:start], *kept, *blocks[start + len(mine):]]))
+    setattr(network, pipeline_parts_of(network).blocks,
+            nn.ModuleList([*blocks[:start], *(mine[i] for i in kept), *blocks[start + len(mine):]]))
     if pp == 1:
         return cut_kinds, split
     return cut_kinds, [*counts[:pp_rank], len(kept), *counts[pp_rank + 1:]]
+
+
+def stage_signatures(module: nn.Module, pp: int, virtual_stages: int,
+                     split: list[int] | None) -> list[tuple[tuple, dict[int, int]]] | None:
+    """Per pipeline rank of ``module``'s network (meta, whole): ``(signature, held)``, the signature
+    being the kinds of the blocks its planning runs keep, in order, and which of them are cut;
+    ``held`` how many blocks of each cut kind the stage has (as `cut_blocks` returns them). Stages
+    of one signature run the same model in their planning runs and differ only in their place in
+    the pipeline schedule (`lightning_moe.planning.stage_roles`). None for a network without
+    pipeline parts or with several stages per rank."""
+    network = _network(module)
+    if network is None or virtual_stages != 1:
+        return None
+    blocks, counts = _stage_blocks(network, pp, split)
+    signatures, start = [], 0
+    for count in counts:
+        mine = blocks[start:start + count]
+        start += count
+        kinds, cut_kinds, kept = _kept(mine, BlockCut())
+        of_kind = [kinds.index(_kind(mine[i])) for i in kept]
+        signatures.append(((tuple(kinds[k] for k in of_kind), tuple(sorted(cut_kinds))), cut_kinds))
+    return signatures
 
 
 def _cheapest_cut(held: Counter) -> tuple[int, ...]:

@@ -121,3 +121,18 @@ def test_mixtral_on_64_gpus_holds_the_layouts_parameters():
     two_blocks = dataclasses.replace(config, num_layers=2)
     assert result.largest.step.params_bytes == 4 * local_parameters(two_blocks, dims)
     assert result.precision == "bf16-mixed" and result.layout()["world_size"] == 64
+
+
+def test_plan_help_describes_every_option(capsys):
+    """``lightning-moe plan --help``: each of plan's own options with what it does, and fit's overrides."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["plan", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--config" in text and "%%" not in text
+    text = text.split("options:", 1)[1]
+    for option, words in {"--gpu_memory": "fits", "--imbalance": "share", "--json": "JSON", "--search": "layout",
+                          "--search_top": "how many", "--fast": "middle pipeline stages", "--jobs": "forked"}.items():
+        assert f"{option} " in text, option
+        described = text.split(f"{option} ", 1)[1][:400]
+        assert words in described, (option, described)
