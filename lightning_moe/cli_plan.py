@@ -234,14 +234,16 @@ def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_m
                    progress=None, jobs: int | None = None, fast: bool = False) -> list[tuple[Layout, Plan]]:
     """Plan every valid layout of the configuration's world size; returns ``(layout, plan)`` pairs,
     those that fit first (all, without ``gpu_memory``), each group by peak, then by communication bytes.
-    ``jobs``, ``fast``: `plan`'s, for each layout."""
+    ``jobs``, ``fast``: `plan`'s, for each layout. ``progress(text)``: called with each layout, each
+    skipped and each failed one; a layout the planner fails on is left out with a warning (through
+    ``progress`` when given) instead of ending the search."""
     world, shape, pipeline = _model_shape(fit_args)
     layouts = valid_layouts(
         world, num_experts=shape.num_experts, num_attention_heads=shape.num_attention_heads,
         num_kv_heads=shape.num_kv_heads, num_layers=shape.num_layers, seq_len=shape.seq_len,
         batch_size=shape.batch_size, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, **pipeline,
     )
-    planned = []
+    planned, failed = [], []
     for i, layout in enumerate(layouts):
         if progress is not None:
             progress(f"[{i + 1}/{len(layouts)}] {layout.describe()}")
@@ -256,6 +258,22 @@ def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_m
         except (PlanConfigError, ValueError) as err:  # a check of the real setup refused it
             if progress is not None:
                 progress(f"  skipped: {' '.join(str(err).split())[:200]}")
+        except Exception as err:  # the planner failed: keep the search's other layouts
+            failed.append((layout, err))
+            if progress is not None:
+                progress(f"  could not plan: {type(err).__name__}: {' '.join(str(err).split())[:300]}")
+    if failed:
+        layout, err = failed[0]
+        message = (
+            f"lightning-moe plan --search could not plan {len(failed)} of {len(layouts)} layouts (first: "
+            f"{layout.describe()}: {type(err).__name__}: {' '.join(str(err).split())[:300]}); they are left out "
+            "of the ranking. Plan one alone (without --search, with --jobs 1) to see its traceback, and please "
+            "report it: a layout the setup accepts should plan."
+        )
+        if progress is None:
+            warnings.warn(message, stacklevel=2)
+        else:
+            progress(f"warning: {message}")
 
     def key(item: tuple[Layout, Plan]) -> tuple:
         _, p = item

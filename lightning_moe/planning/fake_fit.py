@@ -255,13 +255,14 @@ def _blocks_cut(rank: int, cut: BlockCut | None, found: dict[int, int], signatur
 def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objects: FakeObjects) -> Iterator[None]:
     """Patch ``MoEStrategy`` so that the model's tensors are fake from materialisation on, and the
     step, backward and optimizer step run under ``FakeTensorMode``, watched by a `StepProbe`."""
+    from lightning_moe.parallel import fully_shard
     from lightning_moe.strategies import model_setup, moe_strategy
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     tracker = ModTracker()
     probe = StepProbe(answers, tracker)
     strategy_cls = moe_strategy.MoEStrategy
-    real_materialize, real_grad_sync = moe_strategy.materialize, moe_strategy.make_grad_sync
+    real_materialize = moe_strategy.materialize
 
     with ExitStack() as stack:
 
@@ -278,11 +279,14 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objec
             probe.adopt([*model.parameters(), *model.buffers()])
             meter.probe = probe
 
-        def grad_sync(*args, **kwargs):
-            # GradSync computes each DTensor's block offsets with host tensors (torch's helper),
-            # which a fake mode would make valueless.
-            with unset_fake_temporarily():
-                return real_grad_sync(*args, **kwargs)
+        def unfaked(module, name: str):
+            real = getattr(module, name)
+
+            def run(*args, **kwargs):
+                with unset_fake_temporarily():
+                    return real(*args, **kwargs)
+
+            return mock.patch.object(module, name, run)
 
         def faked(name: str):
             real = getattr(strategy_cls, name)
@@ -317,7 +321,12 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objec
             # Under PP the model is materialised (then sharded) before the strategy's own call.
             faked_function(model_setup, "materialize"), faked_function(model_setup, "shard_split_model"),
             mock.patch.object(moe_strategy, "materialize", materialize),
-            mock.patch.object(moe_strategy, "make_grad_sync", grad_sync),
+            # GradSync computes each DTensor's block offsets with host tensors (torch's helper),
+            # which a fake mode would make valueless.
+            unfaked(moe_strategy, "make_grad_sync"),
+            # FSDP2 over dp x cp flattens a device mesh while a stage is sharded (under fake); a mesh
+            # finds this rank's coordinates on host tensors (nonzero), which a fake mode cannot answer.
+            unfaked(fully_shard, "dense_shard_mesh"),
             # Fake tensors are on the CPU already (and cannot be swapped into a module by .to()).
             mock.patch.object(strategy_cls, "model_to_device", lambda self: None),
             mock.patch.object(L.LightningModule, "log", log),

@@ -11,6 +11,7 @@ communicator memory, allocator fragmentation).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,16 +26,20 @@ __all__ = ["fake_rank", "forget_dtensor_layouts"]
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """Run the body as ``rank`` of ``world_size`` on the fake backend; the group is destroyed after,
     also when the body raises, so later tests (and forked gloo ranks) start without one, and no
-    DTensor layout cached in the body reaches a later rank (`forget_dtensor_layouts`)."""
+    DTensor layout cached in the body reaches a later rank (`forget_dtensor_layouts`). The process's
+    exception hook is given back too (``init_process_group`` wraps it to prefix tracebacks with the
+    rank: one wrapper more for every rank played)."""
     if dist.is_initialized():
         dist.destroy_process_group()
     forget_dtensor_layouts()
+    hook = sys.excepthook
     dist.init_process_group("fake", store=register_fake_backend()(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
         forget_dtensor_layouts()
+        sys.excepthook = hook
 
 
 

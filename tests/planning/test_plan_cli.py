@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 from scale.formula import local_parameters
@@ -105,6 +106,29 @@ def test_search_ranks_the_layouts_that_fit_first(monkeypatch, capsys):
     assert f"{len(fits)} of 2 layouts fit" in out
     assert out.count("lightning-moe fit") == 2  # the command line of each
     assert "--trainer.strategy.init_args.sharding_strategy=FULL_SHARD" in out
+
+
+def test_search_goes_on_past_a_layout_it_cannot_plan(monkeypatch, capsys):
+    """A layout whose planning fails (a planner bug, not a refused configuration) is reported and left
+    out; the layouts planned before and after it are still ranked (a search of a large model runs
+    for many minutes)."""
+    candidates = [Layout(tp=1, ep=4, sharding_strategy="FULL_SHARD"), Layout(tp=2, ep=4)]
+    monkeypatch.setattr(cli_plan, "valid_layouts", lambda *args, **kwargs: candidates)
+    real_plan = cli_plan.plan
+
+    def plan_or_fail(args, **kwargs):
+        if "--trainer.strategy.init_args.sharding_strategy=FULL_SHARD" in args:
+            raise RuntimeError("planning a rank failed in a worker process: boom")
+        return real_plan(args, **kwargs)
+
+    monkeypatch.setattr(cli_plan, "plan", plan_or_fail)
+    ranked = cli_main(["plan", "--config", TINY, "--search"])
+    assert [layout for layout, _ in ranked] == [candidates[1]]
+    err = capsys.readouterr().err
+    assert "could not plan: RuntimeError: planning a rank failed in a worker process: boom" in err
+    assert re.search(r"warning: .*could not plan 1 of 2 layouts \(first: .*FULL_SHARD.*boom", err)
+    with pytest.warns(UserWarning, match=r"could not plan 1 of 2 layouts"):  # the API, without progress
+        assert [layout for layout, _ in cli_plan.search_layouts(["--config", TINY])] == [candidates[1]]
 
 
 def test_mixtral_on_64_gpus_holds_the_layouts_parameters():

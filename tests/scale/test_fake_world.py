@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,20 @@ def test_fake_rank_plays_the_rank_and_tears_down_even_on_failure():
     with pytest.raises(ZeroDivisionError), fake_rank(3, 64):
         1 / 0  # noqa: B018 (the body fails on purpose)
     assert not dist.is_initialized()
+
+
+def test_fake_rank_gives_the_exception_hook_back():
+    """``init_process_group`` wraps ``sys.excepthook`` to prefix tracebacks with ``[rank<r>]``; a
+    planner that plays many ranks (``plan --search``: every layout) would stack one wrapper per rank
+    and print every line of a traceback behind dozens of prefixes, the rank of the first."""
+    hook = sys.excepthook
+    for rank in (0, 5):
+        with fake_rank(rank, 8):
+            pass
+        assert sys.excepthook is hook
+    with pytest.raises(ZeroDivisionError), fake_rank(3, 8):
+        1 / 0  # noqa: B018 (the body fails on purpose)
+    assert sys.excepthook is hook
 
 
 def test_a_later_fake_rank_sees_its_own_mesh_coordinate():
