@@ -261,12 +261,12 @@ def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_m
         except Exception as err:  # the planner failed: keep the search's other layouts
             failed.append((layout, err))
             if progress is not None:
-                progress(f"  could not plan: {type(err).__name__}: {' '.join(str(err).split())[:300]}")
+                progress(f"  could not plan: {_last_line(err)}")
     if failed:
         layout, err = failed[0]
         message = (
             f"lightning-moe plan --search could not plan {len(failed)} of {len(layouts)} layouts (first: "
-            f"{layout.describe()}: {type(err).__name__}: {' '.join(str(err).split())[:300]}); they are left out "
+            f"{layout.describe()}: {_last_line(err)}); they are left out "
             "of the ranking. Plan one alone (without --search, with --jobs 1) to see its traceback, and please "
             "report it: a layout the setup accepts should plan."
         )
@@ -280,6 +280,13 @@ def search_layouts(fit_args: list[str], *, imbalance: float | None = None, gpu_m
         return (p.fits is False, p.largest.step.peak_bytes, sum(p.largest.communication.values()))
 
     return sorted(planned, key=key)
+
+
+def _last_line(err: Exception) -> str:
+    """The error's type and the last line of its message (a worker's error carries its traceback
+    before the line that says what failed)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1][:300] if lines else ''}"
 
 
 def _command(p: Plan) -> str:

@@ -42,6 +42,7 @@ from unittest import mock
 
 import lightning as L
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.compat import FakeTensor, FakeTensorMode, ModTracker, unset_fake_temporarily
 from lightning_moe.layers import expert_kernels
@@ -251,11 +252,20 @@ def _blocks_cut(rank: int, cut: BlockCut | None, found: dict[int, int], signatur
         yield
 
 
+def _unfaked(real):
+    """``real`` run with fake tensor modes set aside (it builds host tensors that must hold values)."""
+
+    def run(*args, **kwargs):
+        with unset_fake_temporarily():
+            return real(*args, **kwargs)
+
+    return run
+
+
 @contextmanager
 def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objects: FakeObjects) -> Iterator[None]:
     """Patch ``MoEStrategy`` so that the model's tensors are fake from materialisation on, and the
     step, backward and optimizer step run under ``FakeTensorMode``, watched by a `StepProbe`."""
-    from lightning_moe.parallel import fully_shard
     from lightning_moe.strategies import model_setup, moe_strategy
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -278,15 +288,6 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objec
             stack.enter_context(follow_fsdp_resizes(probe))
             probe.adopt([*model.parameters(), *model.buffers()])
             meter.probe = probe
-
-        def unfaked(module, name: str):
-            real = getattr(module, name)
-
-            def run(*args, **kwargs):
-                with unset_fake_temporarily():
-                    return real(*args, **kwargs)
-
-            return mock.patch.object(module, name, run)
 
         def faked(name: str):
             real = getattr(strategy_cls, name)
@@ -323,10 +324,12 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objec
             mock.patch.object(moe_strategy, "materialize", materialize),
             # GradSync computes each DTensor's block offsets with host tensors (torch's helper),
             # which a fake mode would make valueless.
-            unfaked(moe_strategy, "make_grad_sync"),
-            # FSDP2 over dp x cp flattens a device mesh while a stage is sharded (under fake); a mesh
-            # finds this rank's coordinates on host tensors (nonzero), which a fake mode cannot answer.
-            unfaked(fully_shard, "dense_shard_mesh"),
+            mock.patch.object(moe_strategy, "make_grad_sync", _unfaked(moe_strategy.make_grad_sync)),
+            # FSDP2 builds device meshes while a stage is sharded (under fake): dp x cp flattened, dp
+            # joined to a parameter's tp mesh. A mesh finds this rank's coordinates in a host tensor
+            # of ranks (nonzero), which a fake mode cannot answer: it is layout, not memory.
+            mock.patch.object(DeviceMesh, "__init__", _unfaked(DeviceMesh.__init__)),
+            mock.patch.object(DeviceMesh, "mesh", property(_unfaked(DeviceMesh.mesh.fget))),
             # Fake tensors are on the CPU already (and cannot be swapped into a module by .to()).
             mock.patch.object(strategy_cls, "model_to_device", lambda self: None),
             mock.patch.object(L.LightningModule, "log", log),

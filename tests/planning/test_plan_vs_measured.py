@@ -59,13 +59,18 @@ def _assert_equal(name: str, planned, measured) -> None:
 
 
 _S = "--trainer.strategy.init_args."
-CP_PP_FULL_SHARD = [f"{_S}context_parallel_size=2", f"{_S}pipeline_parallel_size=2", f"{_S}num_microbatches=2",
-                    f"{_S}tensor_parallel_size=1", f"{_S}expert_parallel_size=1", f"{_S}sharding_strategy=FULL_SHARD"]
+PP_FULL_SHARD = [f"{_S}pipeline_parallel_size=2", f"{_S}num_microbatches=2", f"{_S}expert_parallel_size=1",
+                 f"{_S}sharding_strategy=FULL_SHARD"]
+MESHES_BUILT_IN_SETUP = {
+    "cp2-pp2-full-shard": [*PP_FULL_SHARD, f"{_S}context_parallel_size=2", f"{_S}tensor_parallel_size=1"],
+    "tp2-pp2-full-shard": [*PP_FULL_SHARD, f"{_S}tensor_parallel_size=2"],
+}
 
 
-def test_plan_of_context_and_pipeline_parallel_fully_sharded_equals_a_real_run():
-    """FSDP2 over ``dp`` x ``cp`` builds a flattened mesh for each pipeline stage's ranks while the
-    stage is sharded: the planner runs that setup under fake tensors too (``--search`` meets this
-    layout in every world of 4 or more ranks)."""
-    args = ["--config", CONFIG, *CP_PP_FULL_SHARD]
-    _assert_equal("cp2-pp2-full-shard", plan(args, jobs=2), measure_fit(args, WORLD, balanced_routing=True))
+@pytest.mark.parametrize("name", sorted(MESHES_BUILT_IN_SETUP))
+def test_plan_equals_a_real_run_where_setup_builds_device_meshes(name):
+    """FSDP2 builds device meshes while a pipeline stage is sharded, on fake tensors in the plan: the
+    flattened ``dp`` x ``cp`` mesh, and the ``dp`` + ``tp`` mesh of a tensor-parallel parameter
+    (``plan --search`` meets both layouts in every world of 4 or more ranks)."""
+    args = ["--config", CONFIG, *MESHES_BUILT_IN_SETUP[name]]
+    _assert_equal(name, plan(args, jobs=2), measure_fit(args, WORLD, balanced_routing=True))
