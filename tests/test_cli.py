@@ -26,13 +26,18 @@ the config sets no checkpoint ``dirpath``, so each run writes to its own
 
 The forked ranks leave no global state in the pytest process (jsonargparse's parsing settings,
 ``rank_zero_only.rank``, ``PL_GLOBAL_SEED`` and the working directory change in the children
-only), so no clean-up fixture is needed. ``--help`` and ``--print_config`` run in subprocesses.
+only), so no clean-up fixture is needed. ``--help`` runs the module's entry point in a forked child
+(as ``python -m lightning_moe.cli`` does, without re-importing torch); ``--print_config`` and a bad
+argument run the installed console script in subprocesses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import math
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -44,6 +49,7 @@ import yaml
 from helpers.console import console_script
 from helpers.dist import run_distributed
 
+from lightning_moe import cli as cli_module
 from lightning_moe.cli import cli_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -276,9 +282,57 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
 
 
+def _help_main(conn, args: list[str], cwd: Path) -> None:
+    """Body of :func:`_run_module`'s forked child: ``lightning_moe.cli.main()`` with ``args`` as its argv."""
+    code, out, err = 1, io.StringIO(), io.StringIO()
+    try:
+        os.chdir(cwd)
+        # As in a subprocess with captured output: no terminal on the standard streams (the help's
+        # line width is the 80-column fallback), and nothing inherited from pytest's capture.
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        sys.argv = [str(Path(cli_module.__file__)), *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli_module.main()
+                code = 0
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        err.write(traceback.format_exc())
+    finally:
+        try:
+            conn.send((code, out.getvalue(), err.getvalue()))
+            conn.close()
+        finally:
+            os._exit(0)
+
+
+def _run_module(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m lightning_moe.cli *args`` run by the module's own entry point (``main()``, which
+    reads ``sys.argv``) in a forked copy of this process: torch and lightning are imported already,
+    which is what a subprocess spends its seconds on. The console script itself runs as a real
+    subprocess below (``--print_config``, bad arguments)."""
+    ctx = multiprocessing.get_context("fork")
+    recv_conn, send_conn = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_help_main, args=(send_conn, args, cwd))
+    process.start()
+    send_conn.close()
+    try:
+        if not recv_conn.poll(SUBPROCESS_TIMEOUT_S):
+            pytest.fail(f"lightning_moe.cli {args} did not finish in {SUBPROCESS_TIMEOUT_S} s")
+        code, out, err = recv_conn.recv()
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join()
+    return subprocess.CompletedProcess([sys.executable, "-m", "lightning_moe.cli", *args], code, out, err)
+
+
 @pytest.mark.slow
 def test_fit_help_shows_model_data_and_strategy(tmp_path):
-    result = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--help"], tmp_path)
+    result = _run_module(["fit", "--help"], tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     # model and data are any class (class_path), the reference ones by default.
@@ -293,7 +347,7 @@ def test_fit_help_shows_model_data_and_strategy(tmp_path):
 
 @pytest.mark.slow
 def test_reference_model_help_shows_config_docstrings(tmp_path):
-    result = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel",
+    result = _run_module(["fit", "--model.help", "MoELanguageModel",
                    "--model.model.help", "MoETransformerConfig"], tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -303,7 +357,7 @@ def test_reference_model_help_shows_config_docstrings(tmp_path):
     assert "--model.model.num_kv_heads" in out
     assert "Key/value heads for grouped-query attention" in out
     assert "--model.model.moe.help" in out
-    module_help = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel"], tmp_path)
+    module_help = _run_module(["fit", "--model.help", "MoELanguageModel"], tmp_path)
     assert module_help.returncode == 0, module_help.stderr
     for option in ("--model.learning_rate", "--model.init_from", "--model.model.help"):
         assert option in module_help.stdout, option
@@ -311,8 +365,8 @@ def test_reference_model_help_shows_config_docstrings(tmp_path):
 
 @pytest.mark.slow
 def test_moe_config_help_shows_field_docstrings(tmp_path):
-    result = _run(
-        [sys.executable, "-m", "lightning_moe.cli", "fit", "--model.help", "MoELanguageModel",
+    result = _run_module(
+        ["fit", "--model.help", "MoELanguageModel",
          "--model.model.help", "MoETransformerConfig", "--model.model.moe.help"],
         tmp_path,
     )
@@ -324,7 +378,7 @@ def test_moe_config_help_shows_field_docstrings(tmp_path):
 
 @pytest.mark.slow
 def test_strategy_help_shows_moe_strategy_arguments(tmp_path):
-    result = _run([sys.executable, "-m", "lightning_moe.cli", "fit", "--trainer.strategy.help", "MoEStrategy"], tmp_path)
+    result = _run_module(["fit", "--trainer.strategy.help", "MoEStrategy"], tmp_path)
     assert result.returncode == 0, result.stderr
     for name in ("tensor_parallel_size", "expert_parallel_size", "expert_tensor_parallel_size", "dispatcher"):
         assert f"--trainer.strategy.{name}" in result.stdout, name
