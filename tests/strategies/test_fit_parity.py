@@ -20,6 +20,7 @@ and the expert-data-parallel size is 4 / (EP * ETP).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import lightning as L
@@ -71,7 +72,11 @@ class Case:
 
     @property
     def model_kwargs(self) -> dict:
-        return {"load_balancing": ["aux_loss"], "aux_loss_coeff": AUX_COEFF} if self.aux else {}
+        return _model_kwargs(self.aux)
+
+
+def _model_kwargs(aux: bool) -> dict:
+    return {"load_balancing": ["aux_loss"], "aux_loss_coeff": AUX_COEFF} if aux else {}
 
 
 LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 2, 2)]
@@ -120,11 +125,16 @@ def _all_cases(rank: int, world_size: int) -> dict[str, dict]:
 def runs(tmp_path_factory):
     """Rank results per case (one 4-rank launch for every case) and the reference per case."""
     ranks = run_distributed(_all_cases, WORLD, timeout_s=240, tmp_dir=tmp_path_factory.mktemp("fit_parity"))
-    dataset = make_dataset(NUM_SAMPLES)
-    references = {
-        case.name: reference_run(dataset, STEPS, case.accumulate, case.clip, **case.model_kwargs) for case in CASES
-    }
-    return {case.name: ([r[case.name] for r in ranks], references[case.name]) for case in CASES}
+    return {case.name: ([r[case.name] for r in ranks], _reference(case.accumulate, case.clip, case.aux)) for case in CASES}
+
+
+@functools.cache
+def _reference(accumulate: int, clip: float | None, aux: bool):
+    """The single-process oracle of every case with this accumulation, clip value and aux loss.
+
+    It does not depend on the layout or the dispatcher (one device, the model seeded alike), so the
+    cases that share these three settings share one run; the tests only read it."""
+    return reference_run(make_dataset(NUM_SAMPLES), STEPS, accumulate, clip, **_model_kwargs(aux))
 
 
 def _ids(cases):
@@ -193,18 +203,17 @@ def test_parameters_match_single_process(runs, case):
 
 def test_clipping_was_active():
     """Guard for CLIP: the full-model gradient norm exceeds it at every step of every clipped case."""
-    dataset = make_dataset(NUM_SAMPLES)
     for case in CASES:
         if case.clip is None:
             continue
-        ref = reference_run(dataset, STEPS, case.accumulate, None, **case.model_kwargs)
+        ref = _reference(case.accumulate, None, case.aux)
         assert min(ref.norms) > 2 * case.clip, (case.name, ref.norms)
 
 
 def test_aux_loss_changes_the_gradients(runs):
     """The aux-loss case is not vacuous: its router gradients differ from the same case without it."""
     ranks, ref = runs["tp1-ep2-etp1-accum2-clip-aux"]
-    plain = reference_run(make_dataset(NUM_SAMPLES), STEPS, 2, CLIP)
+    plain = _reference(2, CLIP, False)
     diff = (ref.grads[0]["moe1.router.weight"] - plain.grads[0]["moe1.router.weight"]).abs().max()
     assert diff > 100 * GRAD_ATOL
     # The distributed aux-loss run matches the per-shard oracle (checked above), not the concatenated one.
