@@ -10,6 +10,7 @@ callback by itself (once), and the global aux loss's running statistics are rese
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -372,6 +373,7 @@ class Reference:
     """Biases after each optimizer step."""
 
 
+@functools.cache  # a pure function of its arguments (seeded model, fixed data); the tests only read it
 def reference_run(accumulate: int, dp: int | None, steps: int = STEPS) -> Reference:
     """The single-device oracle: plain PyTorch, the sign rule written out.
 
