@@ -19,6 +19,8 @@ every parameter after the last step (fp32; SGD, so parameters move by lr times t
 
 from __future__ import annotations
 
+import functools
+
 import lightning as L
 import pytest
 import torch
@@ -206,6 +208,7 @@ def _state(module: nn.Module) -> dict[str, Tensor]:
             for k, v in module.state_dict().items()}
 
 
+@functools.cache  # seeded model, fixed data: the cases with one (blocks, dp, positions) share the run
 def reference(num_blocks: int, dp: int, positions: bool) -> dict:
     """One process: SGD on the mean of the ``dp`` shards' losses, step by step."""
     lm = LM(Net(num_blocks, positions))
