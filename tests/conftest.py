@@ -23,6 +23,16 @@ if _TESTS_DIR not in sys.path:
 # pin a library themselves: exact byte counts, the choice itself, the benchmark smoke tests).
 os.environ.setdefault("LIGHTNING_MOE_CPU_GEMM", "aten")
 
+# One intra-op thread in the pytest process, as every forked rank has (helpers.dist): the tests'
+# tensors are tiny, and on a machine of few cores that are shared (the suite's own forked ranks and
+# subprocesses, other jobs) each parallel region waits for a second thread the OS has not
+# scheduled yet, which made single-process tests several times slower than with one thread.
+# Subprocesses (the CLI, examples, benchmarks) keep their own defaults: OMP_NUM_THREADS is not set.
+# LIGHTNING_MOE_TEST_THREADS=0 keeps torch's default here too.
+_TEST_THREADS = int(os.environ.get("LIGHTNING_MOE_TEST_THREADS", "1"))
+if _TEST_THREADS > 0:
+    torch.set_num_threads(_TEST_THREADS)
+
 # Transformer Engine's FP8 kernels need Ada (sm_89) or newer.
 _MIN_FP8_CAPABILITY = (8, 9)
 
