@@ -329,7 +329,6 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objec
             # joined to a parameter's tp mesh. A mesh finds this rank's coordinates in a host tensor
             # of ranks (nonzero), which a fake mode cannot answer: it is layout, not memory.
             mock.patch.object(DeviceMesh, "__init__", _unfaked(DeviceMesh.__init__)),
-            mock.patch.object(DeviceMesh, "mesh", property(_unfaked(DeviceMesh.mesh.fget))),
             # Fake tensors are on the CPU already (and cannot be swapped into a module by .to()).
             mock.patch.object(strategy_cls, "model_to_device", lambda self: None),
             mock.patch.object(L.LightningModule, "log", log),

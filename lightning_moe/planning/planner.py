@@ -14,6 +14,7 @@ reported.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -165,6 +166,7 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     jobs = default_jobs(len(order)) if jobs is None else jobs
     base, grown, signatures, shared = _run_stages(order, dims, run, jobs, fast)
 
+    @functools.cache  # the two stages a shared stage is drawn from serve every stage drawn from them
     def measured(stage: int) -> tuple[_Run, dict[int, _Run]]:
         rank = roles[stage]
 

@@ -122,9 +122,8 @@ def stage_signatures(module: nn.Module, pp: int, virtual_stages: int,
     for count in counts:
         mine = blocks[start:start + count]
         start += count
-        kinds, cut_kinds, kept = _kept(mine, BlockCut())
-        of_kind = [kinds.index(_kind(mine[i])) for i in kept]
-        signatures.append(((tuple(kinds[k] for k in of_kind), tuple(sorted(cut_kinds))), cut_kinds))
+        _, cut_kinds, kept = _kept(mine, BlockCut())
+        signatures.append(((tuple(_kind(mine[i]) for i in kept), tuple(sorted(cut_kinds))), cut_kinds))
     return signatures
 
 
