@@ -12,7 +12,12 @@ __all__ = ["AwaitsObject", "FakeObjects"]
 
 class AwaitsObject(Exception):
     """A fake rank needs an object another rank computes (a pipeline stage's boundary shapes) that no
-    rank planned so far has sent: plan the sending rank first (`FakeObjects`), then this one again."""
+    rank planned so far has sent: plan the sending rank first (`FakeObjects`), then this one again.
+    ``key``: the broadcast's key in `FakeObjects.sent`."""
+
+    def __init__(self, message: str, key: tuple[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class FakeObjects:
@@ -49,4 +54,4 @@ class FakeObjects:
         elif key in self.sent:
             objects[:] = copy.deepcopy(self.sent[key])
         elif any(o is None for o in objects):
-            raise AwaitsObject(f"broadcast at {site} (call {index}) from rank {src}")
+            raise AwaitsObject(f"broadcast at {site} (call {index}) from rank {src}", key)

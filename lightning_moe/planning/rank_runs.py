@@ -4,8 +4,7 @@ Each planned rank (the first of each pipeline stage) runs a whole ``Trainer.fit`
 which costs its own CPU core for a minute or more on a large model; the ranks need nothing from
 each other but the objects a pipeline stage broadcasts (`FakeObjects`: stage 0's boundary shapes,
 the last stage's). So they run in ``jobs`` forked processes at a time: a rank that waits for an
-object (`AwaitsObject`) runs again once a rank has sent objects it did not have, with everything
-sent so far. ``jobs=1`` runs them one after another in this process.
+object (`AwaitsObject`) runs again once a rank has sent that object, with everything sent so far. ``jobs=1`` runs them one after another in this process.
 """
 
 from __future__ import annotations
@@ -69,15 +68,22 @@ def _one_by_one(ranks: Sequence[Hashable], run: RunRank, sent: dict) -> dict[Has
 def _forked(ranks: Sequence[Hashable], run: RunRank, jobs: int, sent: dict) -> dict[Hashable, object]:
     context = multiprocessing.get_context("fork")
     done: dict[Hashable, object] = {}
-    tried_with: dict[Hashable, int] = {}  # rank -> how many objects its last run that waited started with
+    # rank -> (the key of the object its last run waited for, how many objects that run started with)
+    awaited: dict[Hashable, tuple[object, int]] = {}
     running: dict = {}  # connection -> (rank, process, how many objects it started with)
+
+    def ready(rank: Hashable) -> bool:
+        if rank not in awaited:
+            return True
+        key, started_with = awaited[rank]
+        return key in sent if key is not None else len(sent) > started_with
     try:
         while len(done) < len(ranks):
             for rank in ranks:
                 if len(running) >= jobs:
                     break
                 busy = any(r == rank for r, _, _ in running.values())
-                if rank in done or busy or tried_with.get(rank, -1) >= len(sent):
+                if rank in done or busy or not ready(rank):
                     continue
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(target=_child, args=(run, rank, dict(sent), sender), daemon=True)
@@ -95,7 +101,7 @@ def _forked(ranks: Sequence[Hashable], run: RunRank, jobs: int, sent: dict) -> d
                 if outcome == "done":
                     done[rank] = value
                 elif outcome == "awaits":
-                    tried_with[rank] = started_with
+                    awaited[rank] = (value, started_with)
                 else:
                     raise value
     finally:
@@ -121,7 +127,7 @@ def _child(run: RunRank, rank: Hashable, sent: dict, sender) -> None:
     try:
         outcome, value = "done", run(rank, objects)
     except AwaitsObject as error:
-        outcome, value = "awaits", str(error)
+        outcome, value = "awaits", error.key
     except BaseException as error:  # every failure goes back to the parent, which raises it
         outcome, value = "error", _portable(error)
     sender.send((outcome, value, objects.sent))

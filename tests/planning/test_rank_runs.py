@@ -24,11 +24,11 @@ def _pipeline_like(rank, objects):
     if rank == 0:
         sent[("first", 0)] = ("shapes of", rank, os.getpid())
     if rank != 0 and ("first", 0) not in sent:
-        raise AwaitsObject("first")
+        raise AwaitsObject("first", ("first", 0))
     if rank == 3:
         sent[("last", 0)] = ("head of", rank)
     if ("last", 0) not in sent:
-        raise AwaitsObject("last")
+        raise AwaitsObject("last", ("last", 0))
     return rank, sent[("first", 0)][:2], sent[("last", 0)]
 
 
@@ -46,6 +46,31 @@ def _never_sent(rank, objects):
 def test_ranks_waiting_only_for_each_other_are_an_error(jobs):
     with pytest.raises(PlanConfigError, match=r"the ranks \[0, 1\] wait for each other"):
         run_ranks([0, 1], _never_sent, jobs)
+
+
+def _waits_for_a_slow_sender(rank, objects):
+    """Rank 1 needs rank 0's object; rank 2 sends another one at once; rank 0 sends its own late.
+    Each run is logged to the file in RUN_LOG."""
+    import time
+
+    with open(os.environ["RUN_LOG"], "a") as log:
+        log.write(f"{rank}\n")
+    if rank == 2:
+        objects.sent[("other", 0)] = "unrelated"
+    if rank == 0:
+        time.sleep(1.0)
+        objects.sent[("first", 0)] = "shapes"
+    if rank == 1 and ("first", 0) not in objects.sent:
+        raise AwaitsObject("first", ("first", 0))
+    return rank
+
+
+def test_a_waiting_rank_runs_again_only_once_its_object_is_sent(tmp_path, monkeypatch):
+    log = tmp_path / "runs.log"
+    monkeypatch.setenv("RUN_LOG", str(log))
+    assert run_ranks([1, 2, 0], _waits_for_a_slow_sender, 2) == {0: 0, 1: 1, 2: 2}
+    # Rank 2's object arrives while rank 0 still sleeps: rank 1 must not run again for it.
+    assert sorted(int(line) for line in log.read_text().split()) == [0, 1, 1, 2]
 
 
 def _refused(rank, objects):
