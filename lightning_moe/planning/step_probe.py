@@ -57,6 +57,7 @@ from lightning_moe.compat import (
     storage_identity,
     tree_flatten,
     unbox_process_group,
+    unset_fake_temporarily,
 )
 from lightning_moe.planning.live_bytes import LiveBytes
 from lightning_moe.planning.wire_bytes import sent_bytes
@@ -93,6 +94,9 @@ _KINDS = {
     "recv": ("c10d.recv_", "c10d.recv_any_source_"),
 }
 _KIND_OF = {op: kind for kind, ops in _KINDS.items() for op in ops}
+_DEVICE = torch.ops.prim.device.default
+_PROFILER_OPS = (torch.ops.profiler._record_function_enter_new.default, torch.ops.profiler._record_function_exit.default,
+                 torch.ops.profiler._record_function_exit._RecordFunction)
 _IGNORED = {"_c10d_functional.wait_tensor", "c10d.barrier", "c10d.monitored_barrier_"}
 
 
@@ -298,6 +302,13 @@ class StepProbe(LiveBytes):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _DEVICE and isinstance(args[0], FakeTensor):
+            # Asked of nearly every tensor by the autograd engine (half the ops of a step): answered as
+            # FakeTensorMode answers it, without a mode's per-op work.
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if func in _PROFILER_OPS:  # profiler ranges: no tensor, no memory
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
         if DTensor in types:
             return NotImplemented  # let DTensor desugar into local ops and collectives, then see those
         if func is host_read_op():
