@@ -51,6 +51,7 @@ from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.fake_world import fake_rank
 from lightning_moe.planning.gpu_path import take_the_gpu_path
 from lightning_moe.planning.live_bytes import follow_fsdp_resizes, storage_bytes
+from lightning_moe.planning.microbatch_cut import MicrobatchCut, microbatches_cut
 from lightning_moe.planning.plan_config import (
     PlanConfigError,
     callers_state_kept,
@@ -102,7 +103,7 @@ class RankStep:
 
 def fake_fit_rank(
     args: list[str], rank: int, world_size: int, *, imbalance: float = 1.0, measure_step: int = 1,
-    objects: FakeObjects | None = None, cut: BlockCut | None = None,
+    objects: FakeObjects | None = None, cut: BlockCut | None = None, microbatches: MicrobatchCut | None = None,
 ) -> RankStep:
     """Run ``lightning-moe fit ARGS`` as ``rank`` of ``world_size`` on fake tensors and return what
     optimizer step ``measure_step`` (0-based; the default 1 runs with AdamW's moments) held.
@@ -112,6 +113,8 @@ def fake_fit_rank(
     ``objects``: the object broadcasts of the ranks planned before in this process (`FakeObjects`);
     raises `AwaitsObject` when this rank needs one of a rank not planned yet.
     ``cut``: run the rank's stage with fewer blocks of its repeated kinds (`BlockCut`; None: all).
+    ``microbatches``: run fewer pipeline micro-batches per step, fewer in flight (`MicrobatchCut`;
+    None: as configured).
     """
     if imbalance < 1:
         raise PlanConfigError(f"imbalance must be >= 1 (1 = perfectly balanced routing), got {imbalance}.")
@@ -127,7 +130,7 @@ def fake_fit_rank(
         cut_kinds: dict[int, int] = {}
         signatures: list = []
         with _faked_training(meter, cli.planned_for_gpu, _routing_answers(cli, imbalance), objects), \
-                _blocks_cut(rank, cut, cut_kinds, signatures):
+                _blocks_cut(rank, cut, cut_kinds, signatures), microbatches_cut(microbatches):
             if loader is None:
                 trainer.fit(module, datamodule=cli.datamodule)
             else:

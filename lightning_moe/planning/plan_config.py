@@ -72,6 +72,12 @@ class PlannedLayout:
     num_nodes: int
     capacity_factor: float | None
     has_experts: bool
+    pipeline_schedule: str = "1F1B"
+    """The pipeline schedule (with ``pipeline_parallel_size > 1``)."""
+    num_microbatches: int = 1
+    """Micro-batches per step of the pipeline schedule."""
+    virtual_stages: int = 1
+    """Pipeline stages per rank."""
 
 
 def read_layout(args: list[str]) -> PlannedLayout:
@@ -85,10 +91,15 @@ def read_layout(args: list[str]) -> PlannedLayout:
             "trainer.strategy to lightning_moe.strategies.MoEStrategy (or 'moe')."
         )
     moe = getattr(getattr(cli.model, "config", None), "moe", None)
+    pipeline = getattr(strategy, "_pipeline", None)
+    schedule = {} if pipeline is None else {
+        "pipeline_schedule": pipeline.schedule, "num_microbatches": pipeline.num_microbatches,
+        "virtual_stages": pipeline.virtual_stages,
+    }
     return PlannedLayout(
         strategy.parallel_dims(strategy.num_nodes * strategy.num_processes), strategy.sharding_strategy,
         cli.precision, strategy.num_processes, strategy.num_nodes,
-        getattr(moe, "capacity_factor", None), any(True for _ in _expert_layers(cli.model)),
+        getattr(moe, "capacity_factor", None), any(True for _ in _expert_layers(cli.model)), **schedule,
     )
 
 
@@ -135,8 +146,10 @@ def plan_cli(args: list[str], measure_step: int, root: str, *, on_cpu: bool = Tr
             check_layout_before_launch(self.model, self.trainer.strategy)
             check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, "fit")
 
-    # The parser settings of lightning_moe.cli.cli_main.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True, instantiate_subclass_spec_in_any=False)
+    # The parser settings of lightning_moe.cli.cli_main, but for the field docstrings: they are --help
+    # text, which a plan never prints, and reading them parses the source of every configured class
+    # (a second or two of each planning run). cli_main sets them again for itself.
+    set_parsing_settings(docstring_parse_attribute_docstrings=False, instantiate_subclass_spec_in_any=False)
     overrides = [
         f"--trainer.max_steps={measure_step + 1}", "--trainer.max_epochs=-1", "--trainer.logger=false",
         "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",

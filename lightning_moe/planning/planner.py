@@ -4,10 +4,11 @@ per rank, before any GPU is rented.
 Runs the configuration's real setup and training step (`lightning_moe.planning.fake_fit`) once per
 distinct rank role: the first rank of every pipeline stage (ranks of one stage hold the same shapes:
 the layouts shard evenly, routing is taken balanced times ``imbalance``), several at once in forked
-processes (`lightning_moe.planning.rank_runs`). With ``fast=True`` a stage's repeated blocks are
-extrapolated from runs with one and two of them (`lightning_moe.planning.repeated_blocks`), and
-three or more middle stages holding the same kinds of blocks are drawn on the line through two of
-them (`lightning_moe.planning.stage_roles`). The largest rank is the answer; every stage is
+processes (`lightning_moe.planning.rank_runs`). With ``fast=True`` a pipeline stage is drawn from
+runs with fewer micro-batches (`lightning_moe.planning.microbatch_cut`), the middle stages holding
+the same kinds of blocks from one of them (`lightning_moe.planning.stage_roles`), and a stage's
+repeated blocks are extrapolated from runs with one and two of them
+(`lightning_moe.planning.repeated_blocks`). The largest rank is the answer; every stage is
 reported.
 """
 
@@ -24,10 +25,11 @@ from lightning_moe.parallel.layout.dims import ParallelDims
 from lightning_moe.planning.fake_fit import RankStep, fake_fit_rank
 from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings
+from lightning_moe.planning.microbatch_cut import MicrobatchCut, draw, planning_cuts, schedule_shape
 from lightning_moe.planning.plan_config import PlanConfigError, read_layout
 from lightning_moe.planning.rank_runs import default_jobs, run_ranks
 from lightning_moe.planning.repeated_blocks import BlockCut, extrapolate
-from lightning_moe.planning.stage_roles import interpolate_step, interpolated_stages, line
+from lightning_moe.planning.stage_roles import shared_stages
 from lightning_moe.planning.step_probe import Collective
 
 __all__ = [
@@ -138,11 +140,13 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     else 1.0, which a real router exceeds: the report says so. ``gpu_memory``: the device's bytes
     (or e.g. ``"80GB"``) to say whether the largest rank fits. ``jobs``: how many ranks are
     planned at once, in forked processes (default: one per CPU; 1: one after another in this
-    process; see `lightning_moe.planning.rank_runs`). ``fast``: plan a stage with many blocks of
-    one kind from runs with one and two of them (`lightning_moe.planning.repeated_blocks`: 2.3
-    times faster on DeepSeek-V3's last stage, whose peak it puts 1.3% higher than running every
-    block; equal on the tested small layouts), and the middle stages that hold the same kinds of
-    blocks from two of them (`lightning_moe.planning.stage_roles`: exact).
+    process; see `lightning_moe.planning.rank_runs`). ``fast``: plan a pipeline stage from runs with
+    two and three micro-batches in flight (`lightning_moe.planning.microbatch_cut`: exact on the
+    tested layouts; DeepSeek-V3 on 1024 GPUs 3 times faster), the middle stages that hold the same
+    kinds of blocks from one of them (`lightning_moe.planning.stage_roles`), and a stage with many
+    blocks of one kind from runs with one and two of them (`lightning_moe.planning.repeated_blocks`:
+    2.3 times faster on DeepSeek-V3's last stage, whose peak it puts 1.3% higher than running every
+    block; equal on the tested small layouts).
     """
     layout = read_layout(args)
     dims = layout.dims
@@ -157,36 +161,35 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     roles = {stage: min(r for r in range(dims.world_size) if dims.coords(r).pp == stage) for stage in range(dims.pp)}
     # Stage 0 first, then the last stage: they send the boundary shapes the others wait for.
     order = sorted(roles.values(), key=lambda r: (dims.coords(r).pp not in (0, dims.pp - 1), dims.coords(r).pp))
+    cuts = {stage: _microbatch_cuts(layout, stage) if fast else None for stage in roles}
 
-    def run(key: tuple[int, int | None], objects: FakeObjects) -> RankStep:
-        rank, grown = key
+    def run(key: _Key, objects: FakeObjects) -> RankStep:
+        rank, grown, microbatches = key
         return fake_fit_rank(args, rank, dims.world_size, imbalance=imbalance, measure_step=measure_step,
-                             objects=objects, cut=BlockCut(grown) if fast else None)
+                             objects=objects, cut=BlockCut(grown) if fast else None, microbatches=microbatches)
 
     jobs = default_jobs(len(order)) if jobs is None else jobs
-    base, grown, signatures, shared = _run_stages(order, dims, run, jobs, fast)
+    runs, signatures, shared = _run_stages(order, dims, run, jobs, fast, cuts)
 
-    @functools.cache  # the two stages a shared stage is drawn from serve every stage drawn from them
-    def measured(stage: int) -> tuple[_Run, dict[int, _Run]]:
-        rank = roles[stage]
+    @functools.cache  # a run serves every stage drawn from it
+    def sent(key: _Key) -> dict[str, int]:
+        return communication_bytes(runs[key].collectives, dims, key[0], layout.sharding_strategy)
 
-        def with_bytes(step: RankStep) -> _Run:
-            return step, communication_bytes(step.collectives, dims, rank, layout.sharding_strategy)
-
-        step = base[rank, None]
-        return with_bytes(step), {kind: with_bytes(grown[rank, kind]) for kind in step.cut_blocks}
+    def drawn(stage: int, grown: int | None) -> _Run:
+        """The stage's step with one block of each cut kind (``grown``: two of that kind)."""
+        source = shared.get(stage, stage)
+        rank = roles[source]
+        if cuts[source] is None:
+            return runs[rank, grown, None], sent((rank, grown, None))
+        lo, hi = cuts[source]
+        held = signatures[stage][1] if stage in shared else runs[rank, grown, lo].cut_blocks
+        shape = schedule_shape(layout.pipeline_schedule, layout.num_microbatches, dims.pp, stage)
+        return draw((runs[rank, grown, lo], sent((rank, grown, lo))), (runs[rank, grown, hi], sent((rank, grown, hi))),
+                    (lo, hi), shape, rank=roles[stage], held=held)
 
     def stage_plan(stage: int) -> StagePlan:
-        if stage not in shared:
-            return _whole_stage(stage, *measured(stage))
-        a, b = shared[stage]
-        (base_a, grown_a), (base_b, grown_b) = measured(a), measured(b)
-
-        def at(run_a: _Run, run_b: _Run) -> _Run:
-            step = interpolate_step(run_a[0], run_b[0], a, b, stage, rank=roles[stage], held=signatures[stage][1])
-            return step, {kind: line(run_a[1][kind], run_b[1][kind], a, b, stage) for kind in run_a[1]}
-
-        return _whole_stage(stage, at(base_a, base_b), {kind: at(grown_a[kind], grown_b[kind]) for kind in grown_a})
+        base = drawn(stage, None)
+        return _whole_stage(stage, base, {kind: drawn(stage, kind) for kind in base[0].cut_blocks})
 
     stages = [stage_plan(stage) for stage in sorted(roles)]
     return Plan(list(args), dims, layout.sharding_strategy, layout.precision, layout.devices_per_node,
@@ -196,28 +199,46 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
 _Run = tuple[RankStep, dict[str, int]]
 """A planning run's step and the bytes it sends per kind of collective."""
 
+_Key = tuple[int, int | None, MicrobatchCut | None]
+"""A planning run: the rank, the cut kind it keeps two blocks of (None: one of each), its micro-batches."""
 
-def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool):
-    """Run the planning runs: every stage's first rank, and with ``fast`` the runs with two blocks
-    of each cut kind, the middle stages of one signature but two left out
-    (`lightning_moe.planning.stage_roles`). Returns the runs with one block per cut kind (``{(rank,
-    None): step}``), those with two (``{(rank, kind): step}``), the stages' signatures and the
-    stages planned from two others (``{stage: (a, b)}``)."""
+
+def _microbatch_cuts(layout, stage: int) -> tuple[MicrobatchCut, MicrobatchCut] | None:
+    """The runs a pipeline stage is planned from with fewer micro-batches (`microbatch_cut`), or None."""
+    if layout.dims.pp == 1 or layout.virtual_stages != 1:
+        return None
+    return planning_cuts(layout.pipeline_schedule, layout.num_microbatches, layout.dims.pp, stage)
+
+
+def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool,
+                cuts: dict[int, tuple[MicrobatchCut, MicrobatchCut] | None]):
+    """Run the planning runs: every stage's first rank (with ``fast``: its micro-batch cuts, the runs
+    with two blocks of each cut kind, the middle stages sharing another's runs left out
+    (`lightning_moe.planning.stage_roles`)). Returns the runs (``{(rank, grown kind or None,
+    micro-batch cut or None): step}``), the stages' signatures and ``{stage: stage whose runs it is
+    drawn from}``."""
     sent: dict = {}
+
+    def keys(rank: int, grown: int | None) -> list[_Key]:
+        return [(rank, grown, cut) for cut in cuts[dims.coords(rank).pp] or [None]]
+
+    def cut_kinds(rank: int) -> dict[int, int]:
+        return runs[keys(rank, None)[0]].cut_blocks
+
     ends = [r for r in order if dims.coords(r).pp in (0, dims.pp - 1)] if fast else order
-    base = run_ranks([(rank, None) for rank in ends], run, jobs, sent)
-    signatures = base[order[0], None].stage_signatures
+    runs = run_ranks([key for rank in ends for key in keys(rank, None)], run, jobs, sent)
+    signatures = runs[keys(order[0], None)[0]].stage_signatures
     if not fast:
-        return base, {}, signatures, {}
-    shared = interpolated_stages(signatures, dims.pp) if signatures else {}
+        return runs, signatures, {}
+    shared = shared_stages(signatures, dims.pp, cuts.get) if signatures else {}
     middle = [r for r in order if r not in ends and dims.coords(r).pp not in shared]
     # The middle stages' runs with one block, and the ends' runs with two, together: all can start.
-    more = run_ranks([*((rank, None) for rank in middle),
-                      *((rank, kind) for rank in ends for kind in base[rank, None].cut_blocks)], run, jobs, sent)
-    base.update({key: step for key, step in more.items() if key[1] is None})
-    grown = {key: step for key, step in more.items() if key[1] is not None}
-    grown.update(run_ranks([(rank, kind) for rank in middle for kind in base[rank, None].cut_blocks], run, jobs, sent))
-    return base, grown, signatures, shared
+    runs.update(run_ranks([*(key for rank in middle for key in keys(rank, None)),
+                           *(key for rank in ends for kind in cut_kinds(rank) for key in keys(rank, kind))],
+                          run, jobs, sent))
+    runs.update(run_ranks([key for rank in middle for kind in cut_kinds(rank) for key in keys(rank, kind)],
+                          run, jobs, sent))
+    return runs, signatures, shared
 
 
 _EXTRAPOLATED = ("params_bytes", "grads_bytes", "optimizer_bytes", "start_bytes", "host_reads")

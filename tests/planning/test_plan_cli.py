@@ -28,11 +28,11 @@ def _plan_each_rank_once(monkeypatch):
     report, the JSON and the search are what differ)."""
     real = planner.fake_fit_rank
 
-    def cached(args, rank, world_size, *, imbalance=1.0, measure_step=1, objects=None, cut=None):
-        key = (tuple(args), rank, world_size, imbalance, measure_step, cut)
+    def cached(args, rank, world_size, *, imbalance=1.0, measure_step=1, objects=None, cut=None, microbatches=None):
+        key = (tuple(args), rank, world_size, imbalance, measure_step, cut, microbatches)
         if key not in _STEPS:
             _STEPS[key] = real(args, rank, world_size, imbalance=imbalance, measure_step=measure_step, objects=objects,
-                               cut=cut)
+                               cut=cut, microbatches=microbatches)
         return copy.deepcopy(_STEPS[key])
 
     monkeypatch.setattr(planner, "fake_fit_rank", cached)

@@ -1,9 +1,11 @@
-"""Middle pipeline stages of one signature planned from two of them equal each run on its own.
+"""Pipeline stages planned from runs with fewer micro-batches equal each stage run with all of them.
 
-The oracle is the planner's run of the stage itself (``plan(args)`` runs every stage), checked
-against real runs in ``test_plan_vs_measured.py``. Five stages of one MoE block each: the three
-middle stages hold the same blocks, so ``fast`` runs stages 1 and 2 and draws stage 3 on their line
-(under 1F1B stage ``s`` keeps ``P - s`` micro-batches at its peak; under GPipe all of them).
+The oracle is the planner's run of every stage with every micro-batch (``plan(args)``), checked
+against real runs in ``test_plan_vs_measured.py``. Four stages of one MoE block each and eight
+micro-batches: under 1F1B stage ``s`` has ``4 - s`` in flight at its first backward, then pairs of
+one backward and one forward; under GPipe all eight are in flight. ``fast`` runs stages 0, 1 and 3
+with two micro-batch cuts each (`planning_cuts`) and draws stage 2, which holds stage 1's blocks,
+from stage 1's runs.
 """
 
 from __future__ import annotations
@@ -15,29 +17,31 @@ import pytest
 from helpers.step_memory import TINY_LAYOUTS
 
 from lightning_moe.planning import plan, planner
-from lightning_moe.planning.stage_roles import interpolated_stages, line
+from lightning_moe.planning.microbatch_cut import MicrobatchCut, planning_cuts, schedule_shape
+from lightning_moe.planning.stage_roles import shared_stages
 
 pytestmark = pytest.mark.distributed
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny_cpu.yaml")
 _S = "--trainer.strategy.init_args."
-FIVE_STAGES = [*TINY_LAYOUTS["pp2-ep2"], "--trainer.devices=10", f"{_S}pipeline_parallel_size=5",
-               f"{_S}num_microbatches=5", "--data.batch_size=5", "--model.model.num_layers=5"]
+FOUR_STAGES = [*TINY_LAYOUTS["pp2-ep2"], "--trainer.devices=8", f"{_S}pipeline_parallel_size=4",
+               f"{_S}num_microbatches=8", "--data.batch_size=8", "--model.model.num_layers=4"]
 
 
 @pytest.fixture
 def runs_counted(monkeypatch):
-    """Each rank's fake step runs once per test (no block is cut here, so the fast plan's runs are the
-    exact plan's), and the ranks that ran are listed."""
+    """Each planning run runs once per test (the exact plan's runs are the fast plan's without a
+    micro-batch cut), and the runs are listed as (rank, micro-batch cut)."""
     real, done, ran = planner.fake_fit_rank, {}, []
 
-    def cached(args, rank, world_size, *, cut=None, objects, **kwargs):
-        if rank not in done:
-            step = real(args, rank, world_size, cut=cut, objects=objects, **kwargs)  # may raise AwaitsObject
-            done[rank] = step, dict(objects.sent)  # with what it sent (also in a try that waited)
-            ran.append(rank)
+    def cached(args, rank, world_size, *, cut=None, objects, microbatches=None, **kwargs):
+        key = rank, microbatches
+        if key not in done:
+            step = real(args, rank, world_size, cut=cut, objects=objects, microbatches=microbatches, **kwargs)
+            done[key] = step, dict(objects.sent)  # with what it sent (also in a try that waited)
+            ran.append(key)
             assert not step.cut_blocks
-        step, sent = done[rank]
+        step, sent = done[key]
         objects.sent.update(sent)  # what its run sent, for the stages that wait for it
         return copy.deepcopy(step)
 
@@ -46,29 +50,47 @@ def runs_counted(monkeypatch):
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
-def test_a_middle_stage_drawn_from_two_equals_its_own_run(schedule, runs_counted):
-    args = ["--config", CONFIG, *FIVE_STAGES, f"{_S}pipeline_schedule={schedule}"]
+def test_stages_drawn_from_fewer_microbatches_equal_their_runs_with_all(schedule, runs_counted):
+    args = ["--config", CONFIG, *FOUR_STAGES, f"{_S}pipeline_schedule={schedule}"]
     fast = plan(args, jobs=1, fast=True)
     stage_of = {s.step.rank: s.stage for s in fast.stages}
-    assert sorted(stage_of[r] for r in runs_counted) == [0, 1, 2, 4], "stage 3 must be drawn, not run"
+    assert sorted((stage_of[r], cut.count) for r, cut in runs_counted) == [
+        (0, 2 + (schedule == "1F1B")), (0, 3 + (schedule == "1F1B")), (1, 2 + (schedule == "1F1B")),
+        (1, 3 + (schedule == "1F1B")), (3, 2), (3, 3),
+    ], "stage 2 must be drawn from stage 1's runs, every run must have fewer micro-batches"
     exact = plan(args, jobs=1)
-    assert sorted(stage_of[r] for r in runs_counted) == [0, 1, 2, 3, 4]
+    assert all(cut is None for _, cut in runs_counted[6:]) and len(runs_counted) == 10
     for a, b in zip(fast.stages, exact.stages, strict=True):
         assert (a.stage, a.step.rank) == (b.stage, b.step.rank)
         assert a.bytes() == b.bytes(), a.stage
         assert a.communication == b.communication, a.stage
         assert a.step.phase_peaks == b.step.phase_peaks, a.stage
-    peaks = [s.step.peak_bytes for s in exact.stages[1:4]]
-    if schedule == "1F1B":  # stage s keeps P - s micro-batches: the line falls
-        assert peaks[0] > peaks[1] > peaks[2]
-    else:  # every stage keeps all five
-        assert peaks[0] == peaks[1] == peaks[2]
+        assert a.step.host_reads == b.step.host_reads, a.stage
+    peaks = [s.step.peak_bytes for s in exact.stages[1:3]]
+    if schedule == "1F1B":  # stage s keeps 4 - s micro-batches in flight
+        assert peaks[0] > peaks[1]
+    else:  # every stage keeps all eight
+        assert peaks[0] == peaks[1]
 
 
-def test_only_three_or_more_middle_stages_of_one_signature_share_runs():
+def test_the_runs_a_stage_is_planned_from():
+    cut = MicrobatchCut
+    # 1F1B, 4 stages, 8 micro-batches: in flight 4, 3, 2, 1, all with pairs of backward and forward.
+    assert [schedule_shape("1F1B", 8, 4, s) for s in range(4)] == [(4, 8), (3, 8), (2, 8), (1, 8)]
+    assert planning_cuts("1F1B", 8, 4, 0) == (cut(2, 3), cut(3, 4))
+    assert planning_cuts("1F1B", 8, 4, 3) == (cut(1, 2), cut(1, 3))  # one in flight: vary the count only
+    # DeepSeek-V3 on 16 stages of 16 micro-batches: stage 0 runs its 16 forwards first.
+    assert planning_cuts("1F1B", 16, 16, 0) == (cut(2, 2), cut(3, 3))
+    assert planning_cuts("GPipe", 8, 4, 2) == (cut(2, 2), cut(3, 3))
+    # Where two runs would run as many micro-batches as one of all, the stage runs whole.
+    assert planning_cuts("1F1B", 7, 4, 1) is None and planning_cuts("1F1B", 5, 5, 0) is None
+    assert planning_cuts("Interleaved1F1B", 16, 4, 0) is None
+
+
+def test_middle_stages_of_one_signature_and_cuts_share_runs():
     moe, dense = (("moe",), ()), (("dense",), ())
-    # Stages 0 and 5 are the ends; 1-4 alternate two signatures of two stages each: nothing shared.
-    assert interpolated_stages([(dense, {}), (moe, {}), (dense, {}), (moe, {}), (dense, {}), (moe, {})], 6) == {}
-    signatures = [(dense, {}), *[(moe, {0: 4})] * 4, (moe, {0: 3}), (moe, {})]
-    assert interpolated_stages(signatures, 7) == {3: (1, 2), 4: (1, 2), 5: (1, 2)}
-    assert line(10, 7, 1, 2, 5) == -2 and line(4, 4, 1, 2, 9) == 4
+    signatures = [(dense, {}), (moe, {}), (moe, {}), (dense, {}), (moe, {}), (moe, {})]
+    cuts = {1: "a", 2: "a", 3: "a", 4: "b"}.get
+    # Stage 2 holds stage 1's blocks with the same cuts; 4 others; 3 other blocks; 5 is the last stage.
+    assert shared_stages(signatures, 6, cuts) == {2: 1}
+    assert shared_stages(signatures, 6, lambda stage: None) == {}
