@@ -1,4 +1,4 @@
-"""Plan a pipeline stage's step from runs with one and two micro-batches in flight.
+"""Plan a pipeline stage's step from runs with two and three micro-batches in flight.
 
 Under pipeline parallelism every stage runs all ``M`` micro-batches of a step, and a fake step costs
 the same for each: sixteen micro-batches of a DeepSeek-V3 stage take a minute. But the schedule
@@ -74,9 +74,10 @@ def planning_cuts(schedule: str, num_microbatches: int, pp: int, stage: int) -> 
     """The two runs ``stage`` is planned from, or None where they would cost as much as one run of
     every micro-batch (or the schedule is not one of `CUT_SCHEDULES`).
 
-    The first micro-batch in flight keeps less than each later one (what a stage keeps for backward
-    is not yet doubled), so the runs have two and three in flight; a stage with one in flight (the
-    last under ``1F1B``) runs with one and differs in the micro-batches per step only."""
+    With one micro-batch in flight a stage is not on the line that two, three and more draw (the
+    tested 1F1B stages peak 16 KiB above it there), so the runs have two and three in flight; a stage
+    with one in flight (the last under ``1F1B``) runs with one and differs in the micro-batches per
+    step only."""
     if schedule not in CUT_SCHEDULES:
         return None
     in_flight, count = schedule_shape(schedule, num_microbatches, pp, stage)
