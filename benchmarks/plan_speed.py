@@ -37,7 +37,7 @@ def _timed_plan(args: list[str], cut: bool) -> tuple[float, int, object]:
 
     patches = [mock.patch.object(planner, "run_ranks", counted)]
     if not cut:
-        patches.append(mock.patch.object(planner, "_microbatch_cuts", lambda layout, stage: None))
+        patches.append(mock.patch.object(planner, "_microbatch_cuts", lambda layout, stage, serves=1: None))
     for patch in patches:
         patch.start()
     try:

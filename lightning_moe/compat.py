@@ -32,7 +32,7 @@ __all__ = [
     "is_strided_shard", "keep_forward_actions", "layout_lookup_global", "logs_this_step", "onednn_linear",
     "optimizers_to_device", "patch_tensor_meta_propagation", "register_fake_backend", "resolve_process_group",
     "scaled_grouped_mm", "scaled_mm", "script_object_kind", "set_default_group_timeout", "set_element",
-    "set_num_threads_if_needed", "set_skip_backward", "shard_shape_and_offset_at", "start_child_ranks",
+    "set_num_threads_if_needed", "set_schedule_microbatches", "set_skip_backward", "shard_shape_and_offset_at", "start_child_ranks",
     "storage_alignment", "storage_identity", "storage_type_name", "subprocess_script_launcher",
     "sync_ddp_if_available", "tensor_rebuild_function", "tensor_version", "top_saved_tensors_hooks",
     "torch_zip_writer", "trainer_results", "tree_flatten", "tree_map_only", "typed_storage_parts",
@@ -149,6 +149,16 @@ def is_runtime_schedule(schedule: Any) -> bool:
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
     return isinstance(schedule, _PipelineScheduleRuntime)
+
+
+def set_schedule_microbatches(schedule: Any, n_microbatches: int, warmup: int | None = None) -> None:
+    """Make a single-stage pipeline schedule run ``n_microbatches`` per step, and (``Schedule1F1B``)
+    ``warmup`` forwards before its first backward (``torch.distributed.pipelining.schedules``'
+    ``_n_microbatches``; ``Schedule1F1B`` warms up ``min(_n_microbatches, _num_stages - stage_index)``,
+    torch 2.13). Call it before the schedule's first step: it sizes the stage's buffers then."""
+    schedule._n_microbatches = n_microbatches
+    if warmup is not None:
+        schedule._num_stages = schedule._stage.stage_index + warmup
 
 
 def keep_forward_actions(schedule: Any) -> None:

@@ -24,9 +24,9 @@ schedule's phases (a stage with one in flight: ``(1, 1 + k)`` and ``(1, 2 + k)``
 step beyond its start, the losses and their weights, is then measured too).
 
 The runs keep the schedule torch runs; only the number of micro-batches fed to it and its
-warmup are set (`microbatches_cut`). A stage is cut only where that saves work (the two runs
-together run fewer micro-batches than one run of all): a middle stage of one
-``1F1B`` schedule then serves every middle stage holding the same blocks, whatever its ``W``. It is
+warmup are set (`microbatches_cut`). The runs of a middle stage serve every middle stage holding
+the same blocks, whatever its ``W``; stages are cut only where that saves work (the two runs
+together run fewer micro-batches than the stages they serve run whole). It is
 exact on the layouts of ``tests/planning/test_stage_roles.py`` (every stage run whole as the oracle).
 """
 
@@ -41,7 +41,7 @@ from unittest import mock
 
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from lightning_moe.compat import unset_fake_temporarily
+from lightning_moe.compat import set_schedule_microbatches, unset_fake_temporarily
 
 if TYPE_CHECKING:
     from lightning_moe.planning.fake_fit import RankStep
@@ -70,9 +70,10 @@ def schedule_shape(schedule: str, num_microbatches: int, pp: int, stage: int) ->
     return min(num_microbatches, pp - stage), num_microbatches
 
 
-def planning_cuts(schedule: str, num_microbatches: int, pp: int, stage: int) -> tuple[MicrobatchCut, MicrobatchCut] | None:
-    """The two runs ``stage`` is planned from, or None where they would cost as much as one run of
-    every micro-batch (or the schedule is not one of `CUT_SCHEDULES`).
+def planning_cuts(schedule: str, num_microbatches: int, pp: int, stage: int,
+                  serves: int = 1) -> tuple[MicrobatchCut, MicrobatchCut] | None:
+    """The two runs ``stage`` is planned from, or None where they would run as many micro-batches as
+    the ``serves`` stages they plan run whole (or the schedule is not one of `CUT_SCHEDULES`).
 
     With one micro-batch in flight a stage is not on the line that two, three and more draw (the
     tested 1F1B stages peak 16 KiB above it there), so the runs have two and three in flight; a stage
@@ -86,7 +87,7 @@ def planning_cuts(schedule: str, num_microbatches: int, pp: int, stage: int) -> 
         lo, hi = MicrobatchCut(1, 1 + steady), MicrobatchCut(1, 2 + steady)
     else:
         lo, hi = MicrobatchCut(2, 2 + steady), MicrobatchCut(3, 3 + steady)
-    return (lo, hi) if lo.count + hi.count < count else None
+    return (lo, hi) if lo.count + hi.count < count * serves else None
 
 
 def draw(lo: tuple[RankStep, dict[str, int]], hi: tuple[RankStep, dict[str, int]], cuts: tuple[MicrobatchCut, MicrobatchCut],
@@ -125,9 +126,7 @@ def _cut_schedule(cls, cut: MicrobatchCut):
     def make(stage, n_microbatches, **kwargs):
         # torch refuses fewer micro-batches than stages (1F1B): built for enough, then told how many.
         schedule = cls(stage, max(n_microbatches, stage.num_stages), **kwargs)
-        schedule._n_microbatches = n_microbatches
-        if cls is Schedule1F1B:  # its warmup is min(micro-batches, stages - this stage's index)
-            schedule._num_stages = stage.stage_index + cut.warmup
+        set_schedule_microbatches(schedule, n_microbatches, cut.warmup if cls is Schedule1F1B else None)
         return schedule
 
     return make

@@ -161,7 +161,9 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     roles = {stage: min(r for r in range(dims.world_size) if dims.coords(r).pp == stage) for stage in range(dims.pp)}
     # Stage 0 first, then the last stage: they send the boundary shapes the others wait for.
     order = sorted(roles.values(), key=lambda r: (dims.coords(r).pp not in (0, dims.pp - 1), dims.coords(r).pp))
-    cuts = {stage: _microbatch_cuts(layout, stage) if fast else None for stage in roles}
+    # The middle stages' cuts as if their runs served others, until the stages sharing them are known.
+    cuts = {stage: _microbatch_cuts(layout, stage, 1 if stage in (0, dims.pp - 1) else dims.pp) if fast else None
+            for stage in roles}
 
     def run(key: _Key, objects: FakeObjects) -> RankStep:
         rank, grown, microbatches = key
@@ -169,7 +171,8 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
                              objects=objects, cut=BlockCut(grown) if fast else None, microbatches=microbatches)
 
     jobs = default_jobs(len(order)) if jobs is None else jobs
-    runs, signatures, shared = _run_stages(order, dims, run, jobs, fast, cuts)
+    runs, signatures, shared = _run_stages(order, dims, run, jobs, fast, cuts,
+                                           lambda stage, serves: _microbatch_cuts(layout, stage, serves))
 
     @functools.cache  # a run serves every stage drawn from it
     def sent(key: _Key) -> dict[str, int]:
@@ -203,20 +206,22 @@ _Key = tuple[int, int | None, MicrobatchCut | None]
 """A planning run: the rank, the cut kind it keeps two blocks of (None: one of each), its micro-batches."""
 
 
-def _microbatch_cuts(layout, stage: int) -> tuple[MicrobatchCut, MicrobatchCut] | None:
-    """The runs a pipeline stage is planned from with fewer micro-batches (`microbatch_cut`), or None."""
+def _microbatch_cuts(layout, stage: int, serves: int = 1) -> tuple[MicrobatchCut, MicrobatchCut] | None:
+    """The runs a pipeline stage is planned from with fewer micro-batches (`microbatch_cut`) when
+    they serve ``serves`` stages, or None."""
     if layout.dims.pp == 1 or layout.virtual_stages != 1:
         return None
-    return planning_cuts(layout.pipeline_schedule, layout.num_microbatches, layout.dims.pp, stage)
+    return planning_cuts(layout.pipeline_schedule, layout.num_microbatches, layout.dims.pp, stage, serves)
 
 
 def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool,
-                cuts: dict[int, tuple[MicrobatchCut, MicrobatchCut] | None]):
+                cuts: dict[int, tuple[MicrobatchCut, MicrobatchCut] | None], cut_for):
     """Run the planning runs: every stage's first rank (with ``fast``: its micro-batch cuts, the runs
     with two blocks of each cut kind, the middle stages sharing another's runs left out
-    (`lightning_moe.planning.stage_roles`)). Returns the runs (``{(rank, grown kind or None,
-    micro-batch cut or None): step}``), the stages' signatures and ``{stage: stage whose runs it is
-    drawn from}``."""
+    (`lightning_moe.planning.stage_roles`)). ``cuts`` (updated here for the middle stages, once it
+    is known which stages their runs serve): each stage's micro-batch cuts; ``cut_for(stage,
+    serves)`` decides them. Returns the runs (``{(rank, grown kind or None, micro-batch cut or
+    None): step}``), the stages' signatures and ``{stage: stage whose runs it is drawn from}``."""
     sent: dict = {}
 
     def keys(rank: int, grown: int | None) -> list[_Key]:
@@ -231,6 +236,14 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
     if not fast:
         return runs, signatures, {}
     shared = shared_stages(signatures, dims.pp, cuts.get) if signatures else {}
+    served = Counter(shared.values())
+    for stage in range(1, dims.pp - 1):
+        if stage not in shared:
+            cuts[stage] = cut_for(stage, served[stage] + 1)
+    for stage, source in list(shared.items()):
+        if cuts[source] is None:  # too few stages share its runs for the cut to pay: each runs whole
+            del shared[stage]
+            cuts[stage] = cut_for(stage, 1)
     middle = [r for r in order if r not in ends and dims.coords(r).pp not in shared]
     # The middle stages' runs with one block, and the ends' runs with two, together: all can start.
     runs.update(run_ranks([*(key for rank in middle for key in keys(rank, None)),

@@ -1,11 +1,12 @@
 """Pipeline stages planned from runs with fewer micro-batches equal each stage run with all of them.
 
 The oracle is the planner's run of every stage with every micro-batch (``plan(args)``), checked
-against real runs in ``test_plan_vs_measured.py``. Four stages of one MoE block each and eight
-micro-batches: under 1F1B stage ``s`` has ``4 - s`` in flight at its first backward, then pairs of
-one backward and one forward; under GPipe all eight are in flight. ``fast`` runs stages 0, 1 and 3
-with two micro-batch cuts each (`planning_cuts`) and draws stage 2, which holds stage 1's blocks,
-from stage 1's runs.
+against real runs in ``test_plan_vs_measured.py``. Five stages of one MoE block each and six
+micro-batches: under 1F1B stage ``s`` has ``5 - s`` in flight at its first backward, then pairs of
+one backward and one forward; under GPipe all six are in flight. ``fast`` draws stages 2 and 3,
+which hold stage 1's blocks, from stage 1's two runs (`planning_cuts`); under 1F1B stage 0 runs
+whole (its two runs would run 7 micro-batches, one run of all 6) and the last stage from runs with
+one in flight; under GPipe every stage is cut.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.distributed
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny_cpu.yaml")
 _S = "--trainer.strategy.init_args."
-FOUR_STAGES = [*TINY_LAYOUTS["pp2-ep2"], "--trainer.devices=8", f"{_S}pipeline_parallel_size=4",
-               f"{_S}num_microbatches=8", "--data.batch_size=8", "--model.model.num_layers=4"]
+FIVE_STAGES = [*TINY_LAYOUTS["pp2-ep2"], "--trainer.devices=10", f"{_S}pipeline_parallel_size=5",
+               f"{_S}num_microbatches=6", "--data.batch_size=6", "--model.model.num_layers=5"]
 
 
 @pytest.fixture
@@ -51,26 +52,30 @@ def runs_counted(monkeypatch):
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 def test_stages_drawn_from_fewer_microbatches_equal_their_runs_with_all(schedule, runs_counted):
-    args = ["--config", CONFIG, *FOUR_STAGES, f"{_S}pipeline_schedule={schedule}"]
+    args = ["--config", CONFIG, *FIVE_STAGES, f"{_S}pipeline_schedule={schedule}"]
     fast = plan(args, jobs=1, fast=True)
     stage_of = {s.step.rank: s.stage for s in fast.stages}
-    assert sorted((stage_of[r], cut.count) for r, cut in runs_counted) == [
-        (0, 2 + (schedule == "1F1B")), (0, 3 + (schedule == "1F1B")), (1, 2 + (schedule == "1F1B")),
-        (1, 3 + (schedule == "1F1B")), (3, 2), (3, 3),
-    ], "stage 2 must be drawn from stage 1's runs, every run must have fewer micro-batches"
+    ran = {(stage_of[r], None if cut is None else (cut.warmup, cut.count)) for r, cut in runs_counted}
+    if schedule == "1F1B":
+        assert ran == {(0, None), (1, (2, 3)), (1, (3, 4)), (4, (1, 2)), (4, (1, 3))}, ran
+    else:
+        assert ran == {(0, (2, 2)), (0, (3, 3)), (1, (2, 2)), (1, (3, 3)), (4, (2, 2)), (4, (3, 3))}, ran
+    fast_runs = len(runs_counted)
+    assert fast_runs == len(ran), "stages 2 and 3 must be drawn from stage 1's runs"
     exact = plan(args, jobs=1)
-    assert all(cut is None for _, cut in runs_counted[6:]) and len(runs_counted) == 10
+    assert all(cut is None for _, cut in runs_counted[fast_runs:])
+    assert {stage_of[r] for r, cut in runs_counted if cut is None} == set(range(5))
     for a, b in zip(fast.stages, exact.stages, strict=True):
         assert (a.stage, a.step.rank) == (b.stage, b.step.rank)
         assert a.bytes() == b.bytes(), a.stage
         assert a.communication == b.communication, a.stage
         assert a.step.phase_peaks == b.step.phase_peaks, a.stage
         assert a.step.host_reads == b.step.host_reads, a.stage
-    peaks = [s.step.peak_bytes for s in exact.stages[1:3]]
-    if schedule == "1F1B":  # stage s keeps 4 - s micro-batches in flight
-        assert peaks[0] > peaks[1]
-    else:  # every stage keeps all eight
-        assert peaks[0] == peaks[1]
+    peaks = [s.step.peak_bytes for s in exact.stages[1:4]]
+    if schedule == "1F1B":  # stage s keeps 5 - s micro-batches in flight
+        assert peaks[0] > peaks[1] > peaks[2]
+    else:  # every stage keeps all six
+        assert peaks[0] == peaks[1] == peaks[2]
 
 
 def test_the_runs_a_stage_is_planned_from():
@@ -84,6 +89,8 @@ def test_the_runs_a_stage_is_planned_from():
     assert planning_cuts("GPipe", 8, 4, 2) == (cut(2, 2), cut(3, 3))
     # Where two runs would run as many micro-batches as one of all, the stage runs whole.
     assert planning_cuts("1F1B", 7, 4, 1) is None and planning_cuts("1F1B", 5, 5, 0) is None
+    # ... unless the runs serve more stages: three middle stages of 6 micro-batches.
+    assert planning_cuts("1F1B", 6, 5, 1) is None and planning_cuts("1F1B", 6, 5, 1, serves=3) == (cut(2, 3), cut(3, 4))
     assert planning_cuts("Interleaved1F1B", 16, 4, 0) is None
 
 
