@@ -62,7 +62,7 @@ from lightning_moe.planning.plan_config import (
 from lightning_moe.planning.repeated_blocks import BlockCut, cut_blocks, stage_signatures
 from lightning_moe.planning.step_probe import Collective, StepProbe
 
-__all__ = ["RankStep", "fake_fit_rank"]
+__all__ = ["LINEAR_FIELDS", "RankStep", "fake_fit_rank"]
 
 
 @dataclass
@@ -99,6 +99,11 @@ class RankStep:
         """``peak_bytes - params_bytes - grads_bytes - optimizer_bytes``: everything else live at the
         peak (activations, temporaries, communication buffers, the batch)."""
         return self.peak_bytes - self.params_bytes - self.grads_bytes - self.optimizer_bytes
+
+
+LINEAR_FIELDS = ("params_bytes", "grads_bytes", "optimizer_bytes", "start_bytes", "host_reads")
+"""The `RankStep` counts that grow in a straight line with the blocks a run keeps and with its
+micro-batches per step (the peaks grow per phase, `RankStep.phase_peaks`)."""
 
 
 def fake_fit_rank(

@@ -51,8 +51,6 @@ __all__ = ["CUT_SCHEDULES", "MicrobatchCut", "draw", "microbatches_cut", "planni
 CUT_SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 """The schedules (with one stage per rank) whose steps are planned from fewer micro-batches."""
 
-_COUNTED = ("params_bytes", "grads_bytes", "optimizer_bytes", "start_bytes", "host_reads")
-
 
 @dataclass(frozen=True)
 class MicrobatchCut:
@@ -95,6 +93,8 @@ def draw(lo: tuple[RankStep, dict[str, int]], hi: tuple[RankStep, dict[str, int]
     """The step (and bytes sent per kind) of a stage whose schedule has ``shape`` = ``(W, M)``, from
     its runs ``lo`` and ``hi`` cut as ``cuts`` (`planning_cuts`: ``hi`` one micro-batch more, and one
     more in flight or as many), for its first rank ``rank`` holding ``held`` blocks of each cut kind."""
+    from lightning_moe.planning.fake_fit import LINEAR_FIELDS  # fake_fit runs the cuts: imported late
+
     (lo_step, lo_sent), (hi_step, hi_sent) = lo, hi
     lo_cut, hi_cut = cuts
     in_flight, count = shape
@@ -111,7 +111,7 @@ def draw(lo: tuple[RankStep, dict[str, int]], hi: tuple[RankStep, dict[str, int]
             return counted(a, b)
         return a + deeper * (b - a - kept) + more * kept
 
-    numbers = {name: counted(getattr(lo_step, name), getattr(hi_step, name)) for name in _COUNTED}
+    numbers = {name: counted(getattr(lo_step, name), getattr(hi_step, name)) for name in LINEAR_FIELDS}
     phases = {phase: peak(value, hi_step.phase_peaks.get(phase, value)) for phase, value in lo_step.phase_peaks.items()}
     step = dataclasses.replace(
         lo_step, rank=rank, collectives=[], phase_peaks=phases, cut_blocks=dict(held),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_moe.parallel.layout.dims import ParallelDims
-from lightning_moe.planning.fake_fit import RankStep, fake_fit_rank
+from lightning_moe.planning.fake_fit import LINEAR_FIELDS, RankStep, fake_fit_rank
 from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings
 from lightning_moe.planning.microbatch_cut import MicrobatchCut, draw, planning_cuts, schedule_shape
@@ -254,8 +254,6 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
     return runs, signatures, shared
 
 
-_EXTRAPOLATED = ("params_bytes", "grads_bytes", "optimizer_bytes", "start_bytes", "host_reads")
-
 
 def _whole_stage(stage: int, base: _Run, grown: dict[int, _Run]) -> StagePlan:
     """The stage's plan from its run with one block of each cut kind and, per kind, the run with
@@ -268,7 +266,7 @@ def _whole_stage(stage: int, base: _Run, grown: dict[int, _Run]) -> StagePlan:
     def whole(base_value: int, grown_value) -> int:
         return round(extrapolate(base_value, {k: grown_value(s) for k, (s, _) in grown.items()}, held))
 
-    values = {name: whole(getattr(base_step, name), lambda s, name=name: getattr(s, name)) for name in _EXTRAPOLATED}
+    values = {name: whole(getattr(base_step, name), lambda s, name=name: getattr(s, name)) for name in LINEAR_FIELDS}
     # The dispatchers' buffers at the peak belong to the layer running then, not to every block: the
     # run with the most blocks tells them best.
     values["dispatch_bytes"] = max(s.dispatch_bytes for s, _ in grown.values())
