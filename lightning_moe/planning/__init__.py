@@ -2,7 +2,6 @@
 ``lightning-moe fit`` configuration (`plan`, run on fake tensors as one rank of a fake world), and
 which parallel layouts fit a world of ranks, a model and its data."""
 
-from lightning_moe.planning.fake_fit import RankStep
 from lightning_moe.planning.layouts import (
     STRATEGY_CLASS_PATH,
     Layout,
@@ -12,6 +11,7 @@ from lightning_moe.planning.layouts import (
 )
 from lightning_moe.planning.plan_config import PlanConfigError
 from lightning_moe.planning.planner import COMMUNICATION_KINDS, Plan, StagePlan, parse_bytes, plan
+from lightning_moe.planning.rank_step import RankStep
 
 __all__ = [
     "COMMUNICATION_KINDS", "STRATEGY_CLASS_PATH", "Layout", "Plan", "PlanConfigError", "RankStep", "StagePlan",

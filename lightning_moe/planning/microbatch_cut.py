@@ -36,15 +36,12 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from unittest import mock
 
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from lightning_moe.compat import set_schedule_microbatches, unset_fake_temporarily
-
-if TYPE_CHECKING:
-    from lightning_moe.planning.fake_fit import RankStep
+from lightning_moe.planning.rank_step import LINEAR_FIELDS, RankStep
 
 __all__ = ["CUT_SCHEDULES", "MicrobatchCut", "draw", "microbatches_cut", "planning_cuts", "schedule_shape"]
 
@@ -93,8 +90,6 @@ def draw(lo: tuple[RankStep, dict[str, int]], hi: tuple[RankStep, dict[str, int]
     """The step (and bytes sent per kind) of a stage whose schedule has ``shape`` = ``(W, M)``, from
     its runs ``lo`` and ``hi`` cut as ``cuts`` (`planning_cuts`: ``hi`` one micro-batch more, and one
     more in flight or as many), for its first rank ``rank`` holding ``held`` blocks of each cut kind."""
-    from lightning_moe.planning.fake_fit import LINEAR_FIELDS  # fake_fit runs the cuts: imported late
-
     (lo_step, lo_sent), (hi_step, hi_sent) = lo, hi
     lo_cut, hi_cut = cuts
     in_flight, count = shape

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_moe.parallel.layout.dims import ParallelDims
-from lightning_moe.planning.fake_fit import LINEAR_FIELDS, RankStep, fake_fit_rank
+from lightning_moe.planning.fake_fit import fake_fit_rank
 from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings
 from lightning_moe.planning.microbatch_cut import MicrobatchCut, draw, planning_cuts, schedule_shape
 from lightning_moe.planning.plan_config import PlanConfigError, read_layout
 from lightning_moe.planning.rank_runs import default_jobs, run_ranks
+from lightning_moe.planning.rank_step import LINEAR_FIELDS, RankStep
 from lightning_moe.planning.repeated_blocks import BlockCut, extrapolate
 from lightning_moe.planning.stage_roles import shared_stages
 from lightning_moe.planning.step_probe import Collective
