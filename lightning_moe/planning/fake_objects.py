@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -27,13 +28,20 @@ class FakeObjects:
     site and its count there (every rank runs the same code, so the n-th broadcast at a site is the
     same broadcast on all), and a receiving rank gets them from the store: what the source would
     have sent. A receiver whose objects the store does not hold yet keeps its own when it has them
-    all (computed alike on every rank: seeds), else raises `AwaitsObject`; the planner then plans
-    the other ranks first and this one again.
+    all (computed alike on every rank: seeds), else asks ``fetch``, which may wait for a rank planned
+    at the same time to send it (``publish``), and else raises `AwaitsObject`: the planner then
+    plans the other ranks first and this one again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, publish: Callable[[tuple[str, int], list], None] | None = None,
+                 fetch: Callable[[tuple[str, int]], list | None] | None = None) -> None:
         self.sent: dict[tuple[str, int], list] = {}
         self._calls: dict[str, int] = {}
+        self.publish = publish
+        """Called with each object this rank sends, as it sends it (ranks planned at the same time)."""
+        self.fetch = fetch
+        """Asked for an object the store lacks: waits for it and returns it, or None (then
+        `AwaitsObject` is raised)."""
 
     def new_rank(self) -> None:
         """Count the calls of a new rank from zero."""
@@ -51,7 +59,14 @@ class FakeObjects:
         key = (site, index)
         if src == dist.get_rank():
             self.sent[key] = copy.deepcopy(objects)
-        elif key in self.sent:
+            if self.publish is not None:
+                self.publish(key, self.sent[key])
+            return
+        if key not in self.sent and any(o is None for o in objects) and self.fetch is not None:
+            fetched = self.fetch(key)
+            if fetched is not None:
+                self.sent[key] = fetched
+        if key in self.sent:
             objects[:] = copy.deepcopy(self.sent[key])
         elif any(o is None for o in objects):
             raise AwaitsObject(f"broadcast at {site} (call {index}) from rank {src}", key)

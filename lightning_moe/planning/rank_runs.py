@@ -3,8 +3,11 @@
 Each planned rank (the first of each pipeline stage) runs a whole ``Trainer.fit`` on fake tensors,
 which costs its own CPU core for a minute or more on a large model; the ranks need nothing from
 each other but the objects a pipeline stage broadcasts (`FakeObjects`: stage 0's boundary shapes,
-the last stage's). So they run in ``jobs`` forked processes at a time: a rank that waits for an
-object (`AwaitsObject`) runs again once a rank has sent that object, with everything sent so far. ``jobs=1`` runs them one after another in this process.
+the last stage's). So they run in ``jobs`` forked processes at a time. A worker hands each object
+to this process as it sends it, and one that needs an object waits for it: stage 0 and the last
+stage, which need each other's, run side by side. Where every running worker waits for an object
+none of them sends, they stop (`AwaitsObject`) and run again once a rank has sent theirs, with
+everything sent so far. ``jobs=1`` runs them one after another in this process.
 """
 
 from __future__ import annotations
@@ -71,12 +74,20 @@ def _forked(ranks: Sequence[Hashable], run: RunRank, jobs: int, sent: dict) -> d
     # rank -> (the key of the object its last run waited for, how many objects that run started with)
     awaited: dict[Hashable, tuple[object, int]] = {}
     running: dict = {}  # connection -> (rank, process, how many objects it started with)
+    blocked: dict = {}  # connection -> the key of the object its worker waits for now
 
     def ready(rank: Hashable) -> bool:
         if rank not in awaited:
             return True
         key, started_with = awaited[rank]
         return key in sent if key is not None else len(sent) > started_with
+
+    def answer_blocked() -> None:
+        for connection, key in list(blocked.items()):
+            if key in sent:
+                connection.send(("object", sent[key]))
+                del blocked[connection]
+
     try:
         while len(done) < len(ranks):
             for rank in ranks:
@@ -85,30 +96,46 @@ def _forked(ranks: Sequence[Hashable], run: RunRank, jobs: int, sent: dict) -> d
                 busy = any(r == rank for r, _, _ in running.values())
                 if rank in done or busy or not ready(rank):
                     continue
-                receiver, sender = context.Pipe(duplex=False)
-                process = context.Process(target=_child, args=(run, rank, dict(sent), sender), daemon=True)
+                connection, child_end = context.Pipe()
+                process = context.Process(target=_child, args=(run, rank, dict(sent), child_end), daemon=True)
                 process.start()
-                sender.close()
-                running[receiver] = (rank, process, len(sent))
+                child_end.close()
+                running[connection] = (rank, process, len(sent))
             if not running:
                 waiting = [r for r in ranks if r not in done]
                 raise PlanConfigError(f"the ranks {waiting} wait for each other's objects; cannot plan.")
-            for receiver in wait(list(running)):
-                rank, process, started_with = running.pop(receiver)
-                outcome, value, objects = _receive(receiver, rank)
-                process.join()
-                sent.update(objects)
-                if outcome == "done":
-                    done[rank] = value
-                elif outcome == "awaits":
-                    awaited[rank] = (value, started_with)
+            if len(blocked) == len(running):
+                # Every worker waits for an object none of them will send: they stop and run again
+                # once a rank planned after them has sent it (their slots go to those ranks).
+                for connection in blocked:
+                    connection.send(("stop", None))
+                blocked.clear()
+            for connection in wait(list(running)):
+                rank, process, started_with = running[connection]
+                message = _receive(connection, rank)
+                if message[0] == "sent":  # an object, as the worker sends it
+                    sent[message[1]] = message[2]
+                elif message[0] == "awaits_now":  # the worker waits for it
+                    blocked[connection] = message[1]
                 else:
-                    raise value
+                    outcome, value, objects = message
+                    del running[connection]
+                    blocked.pop(connection, None)
+                    connection.close()
+                    process.join()
+                    sent.update(objects)
+                    if outcome == "done":
+                        done[rank] = value
+                    elif outcome == "awaits":
+                        awaited[rank] = (value, started_with)
+                    else:
+                        raise value
+                answer_blocked()
     finally:
-        for receiver, (_, process, _) in running.items():
+        for connection, (_, process, _) in running.items():
             process.kill()
             process.join()
-            receiver.close()
+            connection.close()
     return done
 
 
@@ -120,9 +147,15 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _child(run: RunRank, rank: Hashable, sent: dict, sender) -> None:
+def _child(run: RunRank, rank: Hashable, sent: dict, connection) -> None:
     _die_with_parent()
-    objects = FakeObjects()
+
+    def fetch(key):
+        connection.send(("awaits_now", key))
+        answer, value = connection.recv()
+        return value if answer == "object" else None
+
+    objects = FakeObjects(publish=lambda key, value: connection.send(("sent", key, value)), fetch=fetch)
     objects.sent = sent
     try:
         outcome, value = "done", run(rank, objects)
@@ -130,8 +163,8 @@ def _child(run: RunRank, rank: Hashable, sent: dict, sender) -> None:
         outcome, value = "awaits", error.key
     except BaseException as error:  # every failure goes back to the parent, which raises it
         outcome, value = "error", _portable(error)
-    sender.send((outcome, value, objects.sent))
-    sender.close()
+    connection.send((outcome, value, objects.sent))
+    connection.close()
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -144,13 +177,11 @@ def _portable(error: BaseException) -> BaseException:
         return RuntimeError(f"planning a rank failed in a worker process:\n{text}")
 
 
-def _receive(receiver, rank: Hashable) -> tuple[str, object, dict]:
+def _receive(connection, rank: Hashable) -> tuple:
     try:
-        return receiver.recv()
+        return connection.recv()
     except EOFError:
         raise RuntimeError(
             f"the process planning rank {rank} died without an answer (out of memory? run with --jobs 1 to see "
             "its error here)."
         ) from None
-    finally:
-        receiver.close()

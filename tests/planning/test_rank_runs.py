@@ -73,6 +73,35 @@ def test_a_waiting_rank_runs_again_only_once_its_object_is_sent(tmp_path, monkey
     assert sorted(int(line) for line in log.read_text().split()) == [0, 1, 1, 2]
 
 
+def _exchanges_through_broadcasts(rank, objects):
+    """Ranks 0 and 1 as stage 0 and the last stage: each broadcast by one, received by the other;
+    rank 0 sends first, then needs rank 1's. Each run is logged to the file in RUN_LOG."""
+    from unittest import mock
+
+    with open(os.environ["RUN_LOG"], "a") as log:
+        log.write(f"{rank}\n")
+    got = []
+    objects.new_rank()
+    with mock.patch("torch.distributed.get_rank", return_value=rank):
+        for src in (0, 1):
+            box = [f"from {rank}" if src == rank else None]
+            objects.broadcast_object_list(box, src=src)
+            got.append(box[0])
+    return got
+
+
+def test_ranks_that_need_each_others_objects_run_side_by_side_once(tmp_path, monkeypatch):
+    log = tmp_path / "runs.log"
+    monkeypatch.setenv("RUN_LOG", str(log))
+    assert run_ranks([0, 1], _exchanges_through_broadcasts, 2) == {r: ["from 0", "from 1"] for r in (0, 1)}
+    # Rank 0 waits for rank 1's object while rank 1 runs: neither is stopped and run again.
+    assert sorted(int(line) for line in log.read_text().split()) == [0, 1]
+    # One after another, rank 0 stops for the object and runs again once rank 1 has sent it.
+    log.unlink()
+    assert run_ranks([0, 1], _exchanges_through_broadcasts, 1) == {r: ["from 0", "from 1"] for r in (0, 1)}
+    assert [int(line) for line in log.read_text().split()] == [0, 1, 0]
+
+
 def _refused(rank, objects):
     if rank == 1:
         raise ValueError(f"rank {rank}: this layout is refused")
