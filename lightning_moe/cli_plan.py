@@ -75,11 +75,11 @@ def plan_parser() -> ArgumentParser:
     parser.add_argument("--search_top", type=int, default=10, help="--search: how many layouts to print.")
     parser.add_argument(
         "--fast", action="store_true",
-        help="Plan a pipeline stage from runs with two and three micro-batches in flight instead of all of them, "
+        help="Plan a pipeline stage from steps with two and three micro-batches in flight instead of all of them, "
         "the middle pipeline stages with the same kinds of blocks from one of them (exact on the tested layouts), "
         "and a stage's run of identical blocks from runs with one and two of them (equal on the tested small "
-        "layouts, 1.3% higher peak on DeepSeek-V3's last stage): DeepSeek-V3 on 1024 GPUs in about a minute and a "
-        "half on 2 cores (default: run every micro-batch and block of every stage).",
+        "layouts, 1.3% higher peak on DeepSeek-V3's last stage): DeepSeek-V3 on 1024 GPUs in under a minute "
+        "on 2 cores (default: run every micro-batch and block of every stage).",
     )
     parser.add_argument(
         "--jobs", type=int, default=None,

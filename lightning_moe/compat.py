@@ -155,10 +155,28 @@ def set_schedule_microbatches(schedule: Any, n_microbatches: int, warmup: int | 
     """Make a single-stage pipeline schedule run ``n_microbatches`` per step, and (``Schedule1F1B``)
     ``warmup`` forwards before its first backward (``torch.distributed.pipelining.schedules``'
     ``_n_microbatches``; ``Schedule1F1B`` warms up ``min(_n_microbatches, _num_stages - stage_index)``,
-    torch 2.13). Call it before the schedule's first step: it sizes the stage's buffers then."""
+    torch 2.13). Before the schedule's first step, which sizes the stage's receive buffers; after
+    it, between steps, to more micro-batches only: the stage gets receive buffers for the new ones
+    (``PipelineStage``'s ``args_recv_info`` and ``grad_recv_info``, one entry per micro-batch, made
+    by ``_setup_forward_recv_info`` and ``_setup_backward_recv_info`` once
+    ``_stage_forward_initialized`` / ``_stage_backward_initialized`` are set). The buffers it has
+    stay: the schedule's last step still holds some of them, so new ones in their place would be
+    held twice."""
+    stage = schedule._stage
+    made = len(stage.args_recv_info) if getattr(schedule, "_stage_forward_initialized", False) else 0
+    if n_microbatches < made:
+        raise ValueError(f"a pipeline stage made for {made} micro-batches cannot run {n_microbatches}: only more.")
     schedule._n_microbatches = n_microbatches
     if warmup is not None:
-        schedule._num_stages = schedule._stage.stage_index + warmup
+        schedule._num_stages = stage.stage_index + warmup
+    if made:
+        kept = dict(stage.args_recv_info)
+        stage._setup_forward_recv_info(n_microbatches, schedule._has_backward)
+        stage.args_recv_info.update(kept)
+    if made and getattr(schedule, "_stage_backward_initialized", False):
+        kept = dict(stage.grad_recv_info)
+        stage._setup_backward_recv_info(n_microbatches)
+        stage.grad_recv_info.update(kept)
 
 
 def keep_forward_actions(schedule: Any) -> None:

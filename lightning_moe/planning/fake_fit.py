@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 from unittest import mock
@@ -80,34 +80,51 @@ def fake_fit_rank(
     ``microbatches``: run fewer pipeline micro-batches per step, fewer in flight (`MicrobatchCut`;
     None: as configured).
     """
+    return fake_fit_steps(args, rank, world_size, imbalance=imbalance, measure_step=measure_step, objects=objects,
+                          cut=cut, microbatches=None if microbatches is None else (microbatches,))[0]
+
+
+def fake_fit_steps(
+    args: list[str], rank: int, world_size: int, *, imbalance: float = 1.0, measure_step: int = 1,
+    objects: FakeObjects | None = None, cut: BlockCut | None = None,
+    microbatches: Sequence[MicrobatchCut] | None = None,
+) -> list[RankStep]:
+    """`fake_fit_rank` measuring several optimizer steps of one run: with ``microbatches``, one step
+    per cut from ``measure_step`` on, each run with its cut (the steps before with one micro-batch,
+    `WARMUP_CUT`; the cuts may only grow); without, step ``measure_step`` as configured. One setup
+    serves them all, and each step starts holding what a run of its cut alone would
+    (`microbatches_cut`)."""
     if imbalance < 1:
         raise PlanConfigError(f"imbalance must be >= 1 (1 = perfectly balanced routing), got {imbalance}.")
+    last_step = measure_step + (len(microbatches) - 1 if microbatches else 0)
     with callers_state_kept(), fake_rank(rank, world_size), \
             tempfile.TemporaryDirectory(prefix="lightning-moe-plan-") as root:
-        cli = plan_cli(args, measure_step, root)
+        cli = plan_cli(args, last_step, root)
         trainer, module = cli.trainer, cli.model
-        loader = _loader(cli, world_size, measure_step)
-        meter = _StepMeter(measure_step, trainer.accumulate_grad_batches)
-        trainer.callbacks.append(meter)
+        loader = _loader(cli, world_size, last_step)
         objects = FakeObjects() if objects is None else objects
         objects.new_rank()
         cut_kinds: dict[int, int] = {}
         signatures: list = []
+        meter = _StepMeter(range(measure_step, last_step + 1), trainer.accumulate_grad_batches)
+        trainer.callbacks.append(meter)
         with _faked_training(meter, cli.planned_for_gpu, _routing_answers(cli, imbalance), objects), \
-                _blocks_cut(rank, cut, cut_kinds, signatures), microbatches_cut(microbatches):
+                _blocks_cut(rank, cut, cut_kinds, signatures), microbatches_cut(microbatches, measure_step) as to_step:
+            meter.to_step = to_step
             if loader is None:
                 trainer.fit(module, datamodule=cli.datamodule)
             else:
                 trainer.fit(module, train_dataloaders=loader)
-        if meter.result is None:
+        if len(meter.results) <= last_step - measure_step:
             raise PlanConfigError(
-                f"optimizer step {measure_step} never ran (global_step={trainer.global_step}): the configured "
-                "data holds fewer batches than the planner needs."
+                f"optimizer step {measure_step + len(meter.results)} never ran (global_step={trainer.global_step}): "
+                "the configured data holds fewer batches than the planner needs."
             )
-        meter.result.rank = rank
-        meter.result.cut_blocks = cut_kinds
-        meter.result.stage_signatures = signatures[0] if signatures else None
-        return meter.result
+        for step in meter.results:
+            step.rank = rank
+            step.cut_blocks = dict(cut_kinds)
+            step.stage_signatures = signatures[0] if signatures else None
+        return meter.results
 
 
 # -- the data ------------------------------------------------------------------------------------
@@ -159,16 +176,18 @@ def _routing_answers(cli, imbalance: float) -> dict[str, Any]:
 
 
 class _StepMeter(L.Callback):
-    """Starts the probe's record at the measured step and reads what it held (`RankStep`)."""
+    """Starts the probe's record at each measured step and reads what it held (`RankStep`); between
+    optimizer steps, tells ``to_step`` which step comes next (`microbatches_cut`)."""
 
-    def __init__(self, measure_step: int, accumulation: int) -> None:
-        self.measure_step, self.accumulation = measure_step, accumulation
+    def __init__(self, measured: range, accumulation: int) -> None:
+        self.measured, self.accumulation = measured, accumulation
         self.probe: StepProbe | None = None
-        self.result: RankStep | None = None
+        self.results: list[RankStep] = []
+        self.to_step: Callable[[int], None] = lambda global_step: None
         self._grads = 0
 
     def _measuring(self, trainer) -> bool:
-        return trainer.global_step == self.measure_step and self.probe is not None
+        return trainer.global_step in self.measured and self.probe is not None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._measuring(trainer) and batch_idx % self.accumulation == 0:
@@ -180,17 +199,18 @@ class _StepMeter(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # global_step has moved on once the measured step's optimizer ran.
-        if self.result is not None or self.probe is None or trainer.global_step != self.measure_step + 1:
-            return
-        record = self.probe.new_step()
-        states = [t for optimizer in trainer.optimizers for state in optimizer.state.values()
-                  for t in state.values() if isinstance(t, torch.Tensor)]
-        self.result = RankStep(
-            rank=-1, params_bytes=storage_bytes(pl_module.parameters()), grads_bytes=self._grads,
-            optimizer_bytes=storage_bytes(states), peak_bytes=record.peak_bytes, start_bytes=record.start_bytes,
-            dispatch_bytes=record.peak_dispatch_bytes, phase_peaks=dict(record.phase_peaks),
-            collectives=list(record.collectives), host_reads=len(record.host_reads),
-        )
+        done = trainer.global_step - 1
+        if self.probe is not None and done in self.measured and done - self.measured.start == len(self.results):
+            record = self.probe.new_step()
+            states = [t for optimizer in trainer.optimizers for state in optimizer.state.values()
+                      for t in state.values() if isinstance(t, torch.Tensor)]
+            self.results.append(RankStep(
+                rank=-1, params_bytes=storage_bytes(pl_module.parameters()), grads_bytes=self._grads,
+                optimizer_bytes=storage_bytes(states), peak_bytes=record.peak_bytes, start_bytes=record.start_bytes,
+                dispatch_bytes=record.peak_dispatch_bytes, phase_peaks=dict(record.phase_peaks),
+                collectives=list(record.collectives), host_reads=len(record.host_reads),
+            ))
+        self.to_step(trainer.global_step)
 
 
 @contextmanager

@@ -5,7 +5,7 @@ Runs the configuration's real setup and training step (`lightning_moe.planning.f
 distinct rank role: the first rank of every pipeline stage (ranks of one stage hold the same shapes:
 the layouts shard evenly, routing is taken balanced times ``imbalance``), several at once in forked
 processes (`lightning_moe.planning.rank_runs`). With ``fast=True`` a pipeline stage is drawn from
-runs with fewer micro-batches (`lightning_moe.planning.microbatch_cut`), the middle stages holding
+steps with fewer micro-batches (`lightning_moe.planning.microbatch_cut`), the middle stages holding
 the same kinds of blocks from one of them (`lightning_moe.planning.stage_roles`), and a stage's
 repeated blocks are extrapolated from runs with one and two of them
 (`lightning_moe.planning.repeated_blocks`). The largest rank is the answer; every stage is
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_moe.parallel.layout.dims import ParallelDims
-from lightning_moe.planning.fake_fit import fake_fit_rank
+from lightning_moe.planning.fake_fit import fake_fit_steps
 from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings
 from lightning_moe.planning.microbatch_cut import MicrobatchCut, draw, planning_cuts, schedule_shape
@@ -141,9 +141,10 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     else 1.0, which a real router exceeds: the report says so. ``gpu_memory``: the device's bytes
     (or e.g. ``"80GB"``) to say whether the largest rank fits. ``jobs``: how many ranks are
     planned at once, in forked processes (default: one per CPU; 1: one after another in this
-    process; see `lightning_moe.planning.rank_runs`). ``fast``: plan a pipeline stage from runs with
-    two and three micro-batches in flight (`lightning_moe.planning.microbatch_cut`: exact on the
-    tested layouts; DeepSeek-V3 on 1024 GPUs 3 times faster), the middle stages that hold the same
+    process; see `lightning_moe.planning.rank_runs`). ``fast``: plan a pipeline stage from one run
+    measuring a step with two and one with three micro-batches in flight
+    (`lightning_moe.planning.microbatch_cut`: exact on the tested layouts; DeepSeek-V3 on 1024 GPUs
+    5 times faster), the middle stages that hold the same
     kinds of blocks from one of them (`lightning_moe.planning.stage_roles`), and a stage with many
     blocks of one kind from runs with one and two of them (`lightning_moe.planning.repeated_blocks`:
     2.3 times faster on DeepSeek-V3's last stage, whose peak it puts 1.3% higher than running every
@@ -162,18 +163,20 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     roles = {stage: min(r for r in range(dims.world_size) if dims.coords(r).pp == stage) for stage in range(dims.pp)}
     # Stage 0 first, then the last stage: they send the boundary shapes the others wait for.
     order = sorted(roles.values(), key=lambda r: (dims.coords(r).pp not in (0, dims.pp - 1), dims.coords(r).pp))
-    # The middle stages' cuts as if their runs served others, until the stages sharing them are known.
-    cuts = {stage: _microbatch_cuts(layout, stage, 1 if stage in (0, dims.pp - 1) else dims.pp) if fast else None
-            for stage in roles}
+    # The steps a cut run measures must each start holding what a step leaves: not the first step.
+    def cut_for(stage: int, serves: int) -> tuple[MicrobatchCut, MicrobatchCut] | None:
+        return _microbatch_cuts(layout, stage, serves) if fast and measure_step >= 1 else None
 
-    def run(key: _Key, objects: FakeObjects) -> RankStep:
+    # The middle stages' cuts as if their runs served others, until the stages sharing them are known.
+    cuts = {stage: cut_for(stage, 1 if stage in (0, dims.pp - 1) else dims.pp) for stage in roles}
+
+    def run(key: _RunKey, objects: FakeObjects) -> list[RankStep]:
         rank, grown, microbatches = key
-        return fake_fit_rank(args, rank, dims.world_size, imbalance=imbalance, measure_step=measure_step,
-                             objects=objects, cut=BlockCut(grown) if fast else None, microbatches=microbatches)
+        return fake_fit_steps(args, rank, dims.world_size, imbalance=imbalance, measure_step=measure_step,
+                              objects=objects, cut=BlockCut(grown) if fast else None, microbatches=microbatches)
 
     jobs = default_jobs(len(order)) if jobs is None else jobs
-    runs, signatures, shared = _run_stages(order, dims, run, jobs, fast, cuts,
-                                           lambda stage, serves: _microbatch_cuts(layout, stage, serves))
+    runs, signatures, shared = _run_stages(order, dims, run, jobs, fast, cuts, cut_for)
 
     @functools.cache  # a run serves every stage drawn from it
     def sent(key: _Key) -> dict[str, int]:
@@ -204,7 +207,10 @@ _Run = tuple[RankStep, dict[str, int]]
 """A planning run's step and the bytes it sends per kind of collective."""
 
 _Key = tuple[int, int | None, MicrobatchCut | None]
-"""A planning run: the rank, the cut kind it keeps two blocks of (None: one of each), its micro-batches."""
+"""A planned step: the rank, the cut kind it keeps two blocks of (None: one of each), its micro-batches."""
+
+_RunKey = tuple[int, int | None, tuple[MicrobatchCut, ...] | None]
+"""A planning run: the rank, the cut kind it keeps two blocks of, the micro-batches of its measured steps."""
 
 
 def _microbatch_cuts(layout, stage: int, serves: int = 1) -> tuple[MicrobatchCut, MicrobatchCut] | None:
@@ -225,15 +231,20 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
     None): step}``), the stages' signatures and ``{stage: stage whose runs it is drawn from}``."""
     sent: dict = {}
 
-    def keys(rank: int, grown: int | None) -> list[_Key]:
-        return [(rank, grown, cut) for cut in cuts[dims.coords(rank).pp] or [None]]
+    def keys(rank: int, grown: int | None) -> list[_RunKey]:
+        return [(rank, grown, cuts[dims.coords(rank).pp])]  # one run measures a step per micro-batch cut
+
+    def run_all(run_keys: list[_RunKey]) -> dict[_Key, RankStep]:
+        done = run_ranks(run_keys, run, jobs, sent)
+        return {(rank, grown, cut): step for (rank, grown, measured), steps in done.items()
+                for cut, step in zip(measured or (None,), steps, strict=True)}
 
     def cut_kinds(rank: int) -> dict[int, int]:
-        return runs[keys(rank, None)[0]].cut_blocks
+        return runs[rank, None, (cuts[dims.coords(rank).pp] or (None,))[0]].cut_blocks
 
     ends = [r for r in order if dims.coords(r).pp in (0, dims.pp - 1)] if fast else order
-    runs = run_ranks([key for rank in ends for key in keys(rank, None)], run, jobs, sent)
-    signatures = runs[keys(order[0], None)[0]].stage_signatures
+    runs = run_all([key for rank in ends for key in keys(rank, None)])
+    signatures = runs[order[0], None, (cuts[0] or (None,))[0]].stage_signatures
     if not fast:
         return runs, signatures, {}
     shared = shared_stages(signatures, dims.pp, cuts.get) if signatures else {}
@@ -247,11 +258,9 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
             cuts[stage] = cut_for(stage, 1)
     middle = [r for r in order if r not in ends and dims.coords(r).pp not in shared]
     # The middle stages' runs with one block, and the ends' runs with two, together: all can start.
-    runs.update(run_ranks([*(key for rank in middle for key in keys(rank, None)),
-                           *(key for rank in ends for kind in cut_kinds(rank) for key in keys(rank, kind))],
-                          run, jobs, sent))
-    runs.update(run_ranks([key for rank in middle for kind in cut_kinds(rank) for key in keys(rank, kind)],
-                          run, jobs, sent))
+    runs.update(run_all([*(key for rank in middle for key in keys(rank, None)),
+                         *(key for rank in ends for kind in cut_kinds(rank) for key in keys(rank, kind))]))
+    runs.update(run_all([key for rank in middle for kind in cut_kinds(rank) for key in keys(rank, kind)]))
     return runs, signatures, shared
 
 

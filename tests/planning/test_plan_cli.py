@@ -26,7 +26,7 @@ _STEPS: dict = {}
 def _plan_each_rank_once(monkeypatch):
     """The tests plan the same few configurations: each rank's fake step runs once per module (the
     report, the JSON and the search are what differ)."""
-    real = planner.fake_fit_rank
+    real = planner.fake_fit_steps
 
     def cached(args, rank, world_size, *, imbalance=1.0, measure_step=1, objects=None, cut=None, microbatches=None):
         key = (tuple(args), rank, world_size, imbalance, measure_step, cut, microbatches)
@@ -35,7 +35,7 @@ def _plan_each_rank_once(monkeypatch):
                                cut=cut, microbatches=microbatches)
         return copy.deepcopy(_STEPS[key])
 
-    monkeypatch.setattr(planner, "fake_fit_rank", cached)
+    monkeypatch.setattr(planner, "fake_fit_steps", cached)
     monkeypatch.setattr(planner, "default_jobs", lambda num_ranks: 1)  # the cache lives in this process
 
 

@@ -11,7 +11,7 @@ import warnings
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lightning_moe.planning import planner
+from lightning_moe.planning.fake_fit import fake_fit_rank
 from lightning_moe.planning.plan_config import read_layout
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "configs", "tiny_cpu.yaml")
@@ -37,5 +37,5 @@ def test_reading_a_layout_keeps_the_callers_state():
 
 def test_planning_a_rank_keeps_the_callers_state():
     before = _state()
-    planner.fake_fit_rank(["--config", TINY], 3, 4)  # a rank other than 0: MoEStrategy sets rank_zero_only.rank
+    fake_fit_rank(["--config", TINY], 3, 4)  # a rank other than 0: MoEStrategy sets rank_zero_only.rank
     _assert_same(before, _state())

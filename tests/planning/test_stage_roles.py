@@ -3,10 +3,9 @@
 The oracle is the planner's run of every stage with every micro-batch (``plan(args)``), checked
 against real runs in ``test_plan_vs_measured.py``. Five stages of one MoE block each and six
 micro-batches: under 1F1B stage ``s`` has ``5 - s`` in flight at its first backward, then pairs of
-one backward and one forward; under GPipe all six are in flight. ``fast`` draws stages 2 and 3,
-which hold stage 1's blocks, from stage 1's two runs (`planning_cuts`); under 1F1B stage 0 runs
-whole (its two runs would run 7 micro-batches, one run of all 6) and the last stage from runs with
-one in flight; under GPipe every stage is cut.
+one backward and one forward; under GPipe all six are in flight. ``fast`` runs each planned stage
+once, measuring one step per micro-batch cut (`planning_cuts`), and draws stages 2 and 3, which
+hold stage 1's blocks, from stage 1's run; under 1F1B the last stage is cut with one in flight.
 """
 
 from __future__ import annotations
@@ -32,21 +31,21 @@ FIVE_STAGES = [*TINY_LAYOUTS["pp2-ep2"], "--trainer.devices=10", f"{_S}pipeline_
 @pytest.fixture
 def runs_counted(monkeypatch):
     """Each planning run runs once per test (the exact plan's runs are the fast plan's without a
-    micro-batch cut), and the runs are listed as (rank, micro-batch cut)."""
-    real, done, ran = planner.fake_fit_rank, {}, []
+    micro-batch cut), and the runs are listed as (rank, the micro-batch cuts of its measured steps)."""
+    real, done, ran = planner.fake_fit_steps, {}, []
 
     def cached(args, rank, world_size, *, cut=None, objects, microbatches=None, **kwargs):
         key = rank, microbatches
         if key not in done:
-            step = real(args, rank, world_size, cut=cut, objects=objects, microbatches=microbatches, **kwargs)
-            done[key] = step, dict(objects.sent)  # with what it sent (also in a try that waited)
+            steps = real(args, rank, world_size, cut=cut, objects=objects, microbatches=microbatches, **kwargs)
+            done[key] = steps, dict(objects.sent)  # with what it sent (also in a try that waited)
             ran.append(key)
-            assert not step.cut_blocks
-        step, sent = done[key]
+            assert not any(step.cut_blocks for step in steps)
+        steps, sent = done[key]
         objects.sent.update(sent)  # what its run sent, for the stages that wait for it
-        return copy.deepcopy(step)
+        return copy.deepcopy(steps)
 
-    monkeypatch.setattr(planner, "fake_fit_rank", cached)
+    monkeypatch.setattr(planner, "fake_fit_steps", cached)
     return ran
 
 
@@ -55,11 +54,11 @@ def test_stages_drawn_from_fewer_microbatches_equal_their_runs_with_all(schedule
     args = ["--config", CONFIG, *FIVE_STAGES, f"{_S}pipeline_schedule={schedule}"]
     fast = plan(args, jobs=1, fast=True)
     stage_of = {s.step.rank: s.stage for s in fast.stages}
-    ran = {(stage_of[r], None if cut is None else (cut.warmup, cut.count)) for r, cut in runs_counted}
-    if schedule == "1F1B":
-        assert ran == {(0, None), (1, (2, 3)), (1, (3, 4)), (4, (1, 2)), (4, (1, 3))}, ran
+    ran = {(stage_of[r], cuts and tuple((cut.warmup, cut.count) for cut in cuts)) for r, cuts in runs_counted}
+    if schedule == "1F1B":  # one run per stage measures both of its cuts, one step each
+        assert ran == {(0, ((2, 3), (3, 4))), (1, ((2, 3), (3, 4))), (4, ((1, 2), (1, 3)))}, ran
     else:
-        assert ran == {(0, (2, 2)), (0, (3, 3)), (1, (2, 2)), (1, (3, 3)), (4, (2, 2)), (4, (3, 3))}, ran
+        assert ran == {(0, ((2, 2), (3, 3))), (1, ((2, 2), (3, 3))), (4, ((2, 2), (3, 3)))}, ran
     fast_runs = len(runs_counted)
     assert fast_runs == len(ran), "stages 2 and 3 must be drawn from stage 1's runs"
     exact = plan(args, jobs=1)
@@ -87,10 +86,12 @@ def test_the_runs_a_stage_is_planned_from():
     # DeepSeek-V3 on 16 stages of 16 micro-batches: stage 0 runs its 16 forwards first.
     assert planning_cuts("1F1B", 16, 16, 0) == (cut(2, 2), cut(3, 3))
     assert planning_cuts("GPipe", 8, 4, 2) == (cut(2, 2), cut(3, 3))
-    # Where two runs would run as many micro-batches as one of all, the stage runs whole.
-    assert planning_cuts("1F1B", 7, 4, 1) is None and planning_cuts("1F1B", 5, 5, 0) is None
-    # ... unless the runs serve more stages: three middle stages of 6 micro-batches.
-    assert planning_cuts("1F1B", 6, 5, 1) is None and planning_cuts("1F1B", 6, 5, 1, serves=3) == (cut(2, 3), cut(3, 4))
+    # A run of both cuts (after one warm-up micro-batch) runs 1 + 3 + 4 micro-batches, a stage run
+    # whole 2 M (a warm-up step and the measured one, all M in each): cut where that is fewer.
+    assert planning_cuts("1F1B", 5, 4, 1) == (cut(2, 3), cut(3, 4)) and planning_cuts("1F1B", 5, 5, 0) == (cut(2, 2), cut(3, 3))
+    assert planning_cuts("1F1B", 3, 4, 1) is None and planning_cuts("1F1B", 3, 5, 1) is None
+    # ... unless the runs serve more stages: three middle stages of 3 micro-batches.
+    assert planning_cuts("1F1B", 3, 5, 1, serves=3) == (cut(2, 2), cut(3, 3))
     assert planning_cuts("Interleaved1F1B", 16, 4, 0) is None
 
 
