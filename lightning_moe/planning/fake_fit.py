@@ -35,7 +35,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 from unittest import mock
 
@@ -184,6 +184,7 @@ class _StepMeter(L.Callback):
         self.probe: StepProbe | None = None
         self.results: list[RankStep] = []
         self.to_step: Callable[[int], None] = lambda global_step: None
+        self.fake_mode: Any = nullcontext()  # where the step's tensors are made (`_faked_training`)
         self._grads = 0
 
     def _measuring(self, trainer) -> bool:
@@ -210,7 +211,8 @@ class _StepMeter(L.Callback):
                 dispatch_bytes=record.peak_dispatch_bytes, phase_peaks=dict(record.phase_peaks),
                 collectives=list(record.collectives), host_reads=len(record.host_reads),
             ))
-        self.to_step(trainer.global_step)
+        with self.fake_mode:  # what it makes for the next step is made as the step makes it: fake
+            self.to_step(trainer.global_step)
 
 
 @contextmanager
@@ -256,6 +258,7 @@ def _faked_training(meter: _StepMeter, gpu: bool, answers: dict[str, Any], objec
     from lightning_moe.strategies import model_setup, moe_strategy
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    meter.fake_mode = fake
     tracker = ModTracker()
     probe = StepProbe(answers, tracker)
     strategy_cls = moe_strategy.MoEStrategy

@@ -102,3 +102,18 @@ def test_middle_stages_of_one_signature_and_cuts_share_runs():
     # Stage 2 holds stage 1's blocks with the same cuts; 4 others; 3 other blocks; 5 is the last stage.
     assert shared_stages(signatures, 6, cuts) == {2: 1}
     assert shared_stages(signatures, 6, lambda stage: None) == {}
+
+
+def test_stages_cut_under_fsdp2_and_recompute_equal_their_runs_with_all():
+    """A run grows its stage's receive buffers between its two measured steps: made as the step
+    makes them (fake, counted), the second step holds what a run of its cut alone would."""
+    three_stages = [*TINY_LAYOUTS["pp2-ep2"], "--trainer.devices=6", f"{_S}pipeline_parallel_size=3",
+                    f"{_S}num_microbatches=6", "--data.batch_size=6", "--model.model.num_layers=3",
+                    f"{_S}sharding_strategy=FULL_SHARD", "--trainer.callbacks+=lightning_moe.callbacks.SelectiveRecompute",
+                    "--trainer.callbacks.modules=[attention,moe]"]
+    args = ["--config", CONFIG, *three_stages]
+    fast, exact = plan(args, jobs=2, fast=True), plan(args, jobs=2)
+    for a, b in zip(fast.stages, exact.stages, strict=True):
+        assert a.bytes() == b.bytes(), a.stage
+        assert a.step.phase_peaks == b.step.phase_peaks, a.stage
+        assert a.communication == b.communication, a.stage
