@@ -1,14 +1,14 @@
 """How long ``lightning-moe plan --fast`` takes with and without the micro-batch cut, in one run.
 
 Plans one configuration twice in this process, as ``plan(args, fast=True)``: once as it is (each
-pipeline stage drawn from runs with two and three micro-batches in flight, the middle stages that
-hold the same blocks from one stage's runs: ``lightning_moe.planning.microbatch_cut``), once with
+pipeline stage drawn from one run measuring steps with two and three micro-batches in flight, the
+middle stages that hold the same blocks from one stage's run: ``lightning_moe.planning.microbatch_cut``), once with
 the cut switched off (every stage run with all its micro-batches). Prints both wall times, their
 ratio, the planning runs each finished, and whether the two plans hold the same bytes on every
 stage (parameters, gradients, optimizer states, activations, peak, each phase's peak, bytes sent
 per kind of collective).
 
-    python benchmarks/plan_speed.py                       # DeepSeek-V3 on 1024 GPUs: about 12 minutes on 2 cores
+    python benchmarks/plan_speed.py                       # DeepSeek-V3 on 1024 GPUs: about 10 minutes on 2 cores
     python benchmarks/plan_speed.py --config examples/configs/plan/deepseek_v3_256gpu.yaml
 """
 

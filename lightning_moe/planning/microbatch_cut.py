@@ -140,7 +140,7 @@ def _cut_schedule(cls, current: list[MicrobatchCut]):
 
 def _resized(runner, old: MicrobatchCut, new: MicrobatchCut) -> None:
     """The runner's training schedules run ``new`` from the next step on: their stages' receive
-    buffers made again for its count, found under the shape of its batches."""
+    buffers grown to its count, each schedule found under the shape of its batches."""
     runner.num_microbatches = new.count
     for key in [key for key in runner._schedules if key[2]]:  # (batch shape, dtype, training)
         schedule = runner._schedules.pop(key)
@@ -155,10 +155,11 @@ def microbatches_cut(cuts: Sequence[MicrobatchCut] | MicrobatchCut | None,
     """Training steps of a `~lightning_moe.parallel.pipeline.runner.PipelineRunner` run the first
     ``cut.count`` micro-batches of each batch, ``cut.warmup`` in flight (None: as configured).
 
-    ``cuts``: one per optimizer step from ``measure_step`` on, the steps before running the first.
-    Yields ``to_step(global_step)``: call it between optimizer steps, before the next one starts;
-    where the next step's cut differs, the schedule's receive buffers are made again for it then, so
-    that the step starts holding what a run of its cut from the first step would hold."""
+    ``cuts``: one per optimizer step from ``measure_step`` on (more micro-batches each, or as many),
+    the steps before run `WARMUP_CUT`. Yields ``to_step(global_step)``: call it between optimizer
+    steps, before the next one starts, under the fake mode the steps run in; where the next step's
+    cut differs, the schedule's receive buffers grow to it then, so that the step starts holding
+    what a run of its cut from the first step would hold."""
     if cuts is None:
         yield lambda global_step: None
         return
