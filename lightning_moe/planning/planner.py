@@ -228,24 +228,25 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
     with two blocks of each cut kind, the middle stages sharing another's runs left out
     (`lightning_moe.planning.stage_roles`)). ``cuts`` (updated here for the middle stages, once it
     is known which stages their runs serve): each stage's micro-batch cuts; ``cut_for(stage,
-    serves)`` decides them. Returns the runs (``{(rank, grown kind or None, micro-batch cut or
-    None): step}``), the stages' signatures and ``{stage: stage whose runs it is drawn from}``."""
+    serves)`` decides them. Returns the measured steps (``{(rank, grown kind or None,
+    micro-batch cut or None): step}``), the stages' signatures and ``{stage: stage whose runs it is drawn from}``."""
     sent: dict = {}
 
-    def keys(rank: int, grown: int | None) -> list[_RunKey]:
-        return [(rank, grown, cuts[dims.coords(rank).pp])]  # one run measures a step per micro-batch cut
+    def run_key(rank: int, grown: int | None = None) -> _RunKey:
+        return rank, grown, cuts[dims.coords(rank).pp]  # one run measures a step per micro-batch cut
 
     def run_all(run_keys: list[_RunKey]) -> dict[_Key, RankStep]:
         done = run_ranks(run_keys, run, jobs, sent)
         return {(rank, grown, cut): step for (rank, grown, measured), steps in done.items()
                 for cut, step in zip(measured or (None,), steps, strict=True)}
 
-    def cut_kinds(rank: int) -> dict[int, int]:
-        return runs[rank, None, (cuts[dims.coords(rank).pp] or (None,))[0]].cut_blocks
+    def first_step(rank: int) -> RankStep:
+        rank, grown, measured = run_key(rank)
+        return runs[rank, grown, (measured or (None,))[0]]
 
     ends = [r for r in order if dims.coords(r).pp in (0, dims.pp - 1)] if fast else order
-    runs = run_all([key for rank in ends for key in keys(rank, None)])
-    signatures = runs[order[0], None, (cuts[0] or (None,))[0]].stage_signatures
+    runs = run_all([run_key(rank) for rank in ends])
+    signatures = first_step(order[0]).stage_signatures
     if not fast:
         return runs, signatures, {}
     shared = shared_stages(signatures, dims.pp, cuts.get) if signatures else {}
@@ -259,11 +260,10 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
             cuts[stage] = cut_for(stage, 1)
     middle = [r for r in order if r not in ends and dims.coords(r).pp not in shared]
     # The middle stages' runs with one block, and the ends' runs with two, together: all can start.
-    runs.update(run_all([*(key for rank in middle for key in keys(rank, None)),
-                         *(key for rank in ends for kind in cut_kinds(rank) for key in keys(rank, kind))]))
-    runs.update(run_all([key for rank in middle for kind in cut_kinds(rank) for key in keys(rank, kind)]))
+    runs.update(run_all([*(run_key(rank) for rank in middle),
+                         *(run_key(rank, kind) for rank in ends for kind in first_step(rank).cut_blocks)]))
+    runs.update(run_all([run_key(rank, kind) for rank in middle for kind in first_step(rank).cut_blocks]))
     return runs, signatures, shared
-
 
 
 def _whole_stage(stage: int, base: _Run, grown: dict[int, _Run]) -> StagePlan:

@@ -25,6 +25,6 @@ def shared_stages(signatures: list[tuple[tuple, dict[int, int]]], pp: int,
     stages without cuts run on their own); every other stage runs."""
     groups: dict[tuple, list[int]] = {}
     for stage in range(1, pp - 1):
-        if cuts(stage) is not None:
-            groups.setdefault((signatures[stage][0], cuts(stage)), []).append(stage)
+        if (cut := cuts(stage)) is not None:
+            groups.setdefault((signatures[stage][0], cut), []).append(stage)
     return {stage: members[0] for members in groups.values() for stage in members[1:]}
