@@ -230,40 +230,44 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
     is known which stages their runs serve): each stage's micro-batch cuts; ``cut_for(stage,
     serves)`` decides them. Returns the measured steps (``{(rank, grown kind or None,
     micro-batch cut or None): step}``), the stages' signatures and ``{stage: stage whose runs it is drawn from}``."""
-    sent: dict = {}
+    shared: dict[int, int] = {}
+    signatures: list = []
 
     def run_key(rank: int, grown: int | None = None) -> _RunKey:
         return rank, grown, cuts[dims.coords(rank).pp]  # one run measures a step per micro-batch cut
 
-    def run_all(run_keys: list[_RunKey]) -> dict[_Key, RankStep]:
-        done = run_ranks(run_keys, run, jobs, sent)
-        return {(rank, grown, cut): step for (rank, grown, measured), steps in done.items()
-                for cut, step in zip(measured or (None,), steps, strict=True)}
+    def middle_stages(stage_zero: RankStep) -> list[int]:
+        """The middle stages' first ranks that need runs of their own, ``cuts`` set for them."""
+        signatures.append(stage_zero.stage_signatures)
+        shared.update(shared_stages(signatures[0], dims.pp, cuts.get) if signatures[0] else {})
+        served = Counter(shared.values())
+        for stage in range(1, dims.pp - 1):
+            if stage not in shared:
+                cuts[stage] = cut_for(stage, served[stage] + 1)
+        for stage, source in list(shared.items()):
+            if cuts[source] is None:  # too few stages share its runs for the cut to pay: each runs whole
+                del shared[stage]
+                cuts[stage] = cut_for(stage, 1)
+        return [r for r in order if dims.coords(r).pp not in (0, dims.pp - 1, *shared)]
 
-    def first_step(rank: int) -> RankStep:
-        rank, grown, measured = run_key(rank)
-        return runs[rank, grown, (measured or (None,))[0]]
+    def then(key: _RunKey, steps: list[RankStep]) -> list[_RunKey]:
+        """The runs a finished one asks for: stage 0's, the middle stages' (they are known by its
+        stage signatures); a run with one block of each cut kind, its runs with two of each."""
+        rank, grown, _ = key
+        if grown is not None:
+            return []
+        middle = [run_key(r) for r in middle_stages(steps[0])] if rank == order[0] else []
+        return [*middle, *(run_key(rank, kind) for kind in steps[0].cut_blocks)]
 
     ends = [r for r in order if dims.coords(r).pp in (0, dims.pp - 1)] if fast else order
-    runs = run_all([run_key(rank) for rank in ends])
-    signatures = first_step(order[0]).stage_signatures
+    # Every run starts as soon as a worker is free and what it needs is known: the middle stages'
+    # once stage 0's has run, the runs with two blocks once the stage's run with one has.
+    done = run_ranks([run_key(rank) for rank in ends], run, jobs, {}, then if fast else None)
     if not fast:
-        return runs, signatures, {}
-    shared = shared_stages(signatures, dims.pp, cuts.get) if signatures else {}
-    served = Counter(shared.values())
-    for stage in range(1, dims.pp - 1):
-        if stage not in shared:
-            cuts[stage] = cut_for(stage, served[stage] + 1)
-    for stage, source in list(shared.items()):
-        if cuts[source] is None:  # too few stages share its runs for the cut to pay: each runs whole
-            del shared[stage]
-            cuts[stage] = cut_for(stage, 1)
-    middle = [r for r in order if r not in ends and dims.coords(r).pp not in shared]
-    # The middle stages' runs with one block, and the ends' runs with two, together: all can start.
-    runs.update(run_all([*(run_key(rank) for rank in middle),
-                         *(run_key(rank, kind) for rank in ends for kind in first_step(rank).cut_blocks)]))
-    runs.update(run_all([run_key(rank, kind) for rank in middle for kind in first_step(rank).cut_blocks]))
-    return runs, signatures, shared
+        signatures.append(done[run_key(order[0])][0].stage_signatures)
+    runs = {(rank, grown, cut): step for (rank, grown, measured), steps in done.items()
+            for cut, step in zip(measured or (None,), steps, strict=True)}
+    return runs, signatures[0], shared
 
 
 def _whole_stage(stage: int, base: _Run, grown: dict[int, _Run]) -> StagePlan:

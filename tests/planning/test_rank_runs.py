@@ -102,6 +102,25 @@ def test_ranks_that_need_each_others_objects_run_side_by_side_once(tmp_path, mon
     assert [int(line) for line in log.read_text().split()] == [0, 1, 0]
 
 
+def _with_pid(key, objects):
+    return key, os.getpid()
+
+
+def _two_more_after_the_first_ones(key, result):
+    """Runs 0 and 1 each ask for one more run (as stage 0's run asks for the middle stages')."""
+    return [key + 10] if key < 10 else []
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_runs_a_finished_run_asks_for_run_in_the_same_workers(jobs):
+    done = run_ranks([0, 1], _with_pid, jobs, then=_two_more_after_the_first_ones)
+    assert sorted(done) == [0, 1, 10, 11]
+    assert all(done[key][0] == key for key in done)
+    # The workers take one run after another (what a run warmed up serves the next): no new process.
+    pids = {pid for _, pid in done.values()}
+    assert len(pids) == jobs and (jobs > 1 or pids == {os.getpid()})
+
+
 def _refused(rank, objects):
     if rank == 1:
         raise ValueError(f"rank {rank}: this layout is refused")
