@@ -4,6 +4,7 @@ the run shortened to the planned steps and run on the CPU (`plan_cli`), and what
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import random
@@ -23,8 +24,8 @@ from lightning_moe.callbacks import ActivationOffload, CUDAGraphCapture, Selecti
 from lightning_moe.parallel.layout.dims import ParallelDims
 
 __all__ = [
-    "MEMORY_CALLBACKS", "PlanConfigError", "PlannedLayout", "callers_state_kept", "data_shape", "is_memory_callback",
-    "is_reference", "plan_cli", "read_layout",
+    "MEMORY_CALLBACKS", "PlanConfigError", "PlannedLayout", "callers_state_kept", "configuration_parsed_once",
+    "data_shape", "is_memory_callback", "is_reference", "plan_cli", "read_layout",
 ]
 
 
@@ -142,6 +143,20 @@ def plan_cli(args: list[str], measure_step: int, root: str, *, on_cpu: bool = Tr
             callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
             trainer.callbacks = [c for c in callbacks if is_memory_callback(c)]
 
+        def parse_arguments(self, parser, args) -> None:
+            # Within `configuration_parsed_once`, the first run parses, the later ones take a copy
+            # with their own step count and folder (the only overrides that differ between runs).
+            key = tuple(args[:-len(per_run)])
+            parsed = None if _parsed is None else _parsed.get(key)
+            if parsed is None:
+                super().parse_arguments(parser, args)
+                if _parsed is not None:
+                    _parsed[key] = copy.deepcopy(self.config)
+                return
+            self.config = copy.deepcopy(parsed)
+            self.config.trainer.max_steps = measure_step + 1
+            self.config.trainer.default_root_dir = root
+
         def after_instantiate_classes(self) -> None:
             check_layout_before_launch(self.model, self.trainer.strategy)
             check_config_before_launch(self.model, self.datamodule, self.trainer.strategy, "fit")
@@ -151,16 +166,33 @@ def plan_cli(args: list[str], measure_step: int, root: str, *, on_cpu: bool = Tr
     # (a second or two of each planning run). cli_main sets them again for itself.
     set_parsing_settings(docstring_parse_attribute_docstrings=False, instantiate_subclass_spec_in_any=False)
     overrides = [
-        f"--trainer.max_steps={measure_step + 1}", "--trainer.max_epochs=-1", "--trainer.logger=false",
+        "--trainer.max_epochs=-1", "--trainer.logger=false",
         "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false", "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0",
-        f"--trainer.default_root_dir={root}",
     ]
+    per_run = [f"--trainer.max_steps={measure_step + 1}", f"--trainer.default_root_dir={root}"]
     args = list(args[1:] if args[:1] == ["fit"] else args)
     # LightningCLI warns when given args while the command line has others (the plan command's own).
     with mock.patch.object(sys, "argv", sys.argv[:1]):
         return PlanCLI(L.LightningModule, L.LightningDataModule, save_config_callback=None, run=False,
-                       args=[*args, *overrides])
+                       args=[*args, *overrides, *per_run])
+
+
+_parsed: dict[tuple[str, ...], Any] | None = None
+"""The configurations `plan_cli` parsed, by their arguments, within `configuration_parsed_once`."""
+
+
+@contextmanager
+def configuration_parsed_once() -> Iterator[None]:
+    """Within the body, `plan_cli` parses each configuration once (a second of jsonargparse per
+    planning run saved): the later runs of this process, and of the processes it forks, take a
+    copy of the first parse. A file edited meanwhile is read again only after the body."""
+    global _parsed
+    outer, _parsed = _parsed, {} if _parsed is None else _parsed
+    try:
+        yield
+    finally:
+        _parsed = outer
 
 
 def is_memory_callback(spec: Any) -> bool:

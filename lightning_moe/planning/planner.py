@@ -26,7 +26,7 @@ from lightning_moe.planning.fake_fit import fake_fit_steps
 from lightning_moe.planning.fake_objects import FakeObjects
 from lightning_moe.planning.layouts import cross_node_warnings
 from lightning_moe.planning.microbatch_cut import MicrobatchCut, draw, planning_cuts, schedule_shape
-from lightning_moe.planning.plan_config import PlanConfigError, read_layout
+from lightning_moe.planning.plan_config import PlanConfigError, configuration_parsed_once, read_layout
 from lightning_moe.planning.rank_runs import default_jobs, run_ranks
 from lightning_moe.planning.rank_step import LINEAR_FIELDS, RankStep
 from lightning_moe.planning.repeated_blocks import BlockCut, extrapolate
@@ -148,8 +148,16 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     kinds of blocks from one of them (`lightning_moe.planning.stage_roles`), and a stage with many
     blocks of one kind from runs with one and two of them (`lightning_moe.planning.repeated_blocks`:
     2.3 times faster on DeepSeek-V3's last stage, whose peak it puts 1.3% higher than running every
-    block; equal on the tested small layouts).
+    block; equal on the tested small layouts). The configuration is parsed once
+    (`~lightning_moe.planning.plan_config.configuration_parsed_once`).
     """
+    with configuration_parsed_once():
+        return _plan(args, imbalance, parse_bytes(gpu_memory) if gpu_memory is not None else None, measure_step,
+                     jobs, fast)
+
+
+def _plan(args: list[str], imbalance: float | None, gpu_memory: int | None, measure_step: int, jobs: int | None,
+          fast: bool) -> Plan:
     layout = read_layout(args)
     dims = layout.dims
     warnings = cross_node_warnings(dims, layout.devices_per_node) if layout.num_nodes > 1 else []
@@ -201,7 +209,7 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
 
     stages = [stage_plan(stage) for stage in sorted(roles)]
     return Plan(list(args), dims, layout.sharding_strategy, layout.precision, layout.devices_per_node,
-                layout.num_nodes, imbalance, stages, None if gpu_memory is None else parse_bytes(gpu_memory), warnings)
+                layout.num_nodes, imbalance, stages, gpu_memory, warnings)
 
 
 _Run = tuple[RankStep, dict[str, int]]
