@@ -4,13 +4,14 @@ Each planned rank (the first of each pipeline stage) runs a whole ``Trainer.fit`
 which costs its own CPU core for a minute or more on a large model; the ranks need nothing from
 each other but the objects a pipeline stage broadcasts (`FakeObjects`: stage 0's boundary shapes,
 the last stage's). So they run in ``jobs`` forked worker processes, each taking one run after
-another: a worker's later runs find the fake tensors' cache warm (the output shapes of the operators
-its earlier runs ran: a second or more of each run). A run's result can ask for more runs (``then``:
-the middle stages' runs, known once stage 0's has run), which start as soon as a worker is free. A worker hands each object
-to this process as it sends it, and one that needs an object waits for it: stage 0 and the last
-stage, which need each other's, run side by side. Where every running worker waits for an object
-none of them sends, they stop (`AwaitsObject`) and run again once a rank has sent theirs, with
-everything sent so far. ``jobs=1`` runs them one after another in this process.
+another: a worker's later runs find the fake tensors' cache warm (the output shapes of the
+operators its earlier runs ran: a second or more of each run). A finished run can ask for more
+(``then``: the middle stages' runs, known once stage 0's has run), which start as soon as a worker
+is free. A worker hands each object to this process as it sends it, and one that needs an object
+waits for it: stage 0 and the last stage, which need each other's, run side by side. Where every
+running worker waits for an object none of them sends, they stop (`AwaitsObject`) and run again
+once a rank has sent theirs, with everything sent so far. ``jobs=1`` runs them one after another
+in this process.
 """
 
 from __future__ import annotations
@@ -188,7 +189,10 @@ def _worker(run: RunRank, connection) -> None:
         return value if answer == "object" else None
 
     while True:
-        order, *task = connection.recv()
+        try:
+            order, *task = connection.recv()
+        except EOFError:  # the planner has gone
+            break
         if order != "run":
             break
         key, sent = task
