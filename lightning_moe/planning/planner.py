@@ -144,7 +144,7 @@ def plan(args: list[str], *, imbalance: float | None = None, gpu_memory: int | s
     process; see `lightning_moe.planning.rank_runs`). ``fast``: plan a pipeline stage from one run
     measuring a step with two and one with three micro-batches in flight
     (`lightning_moe.planning.microbatch_cut`: exact on the tested layouts; DeepSeek-V3 on 1024 GPUs
-    13 times faster than running every micro-batch), the middle stages that hold the same
+    17 times faster than running every micro-batch), the middle stages that hold the same
     kinds of blocks from one of them (`lightning_moe.planning.stage_roles`), and a stage with many
     blocks of one kind from runs with one and two of them (`lightning_moe.planning.repeated_blocks`:
     2.3 times faster on DeepSeek-V3's last stage, whose peak it puts 1.3% higher than running every
