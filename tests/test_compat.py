@@ -26,7 +26,8 @@ ROUTED = (
     "_set_num_threads_if_needed", "_init_dist_connection", "_format_summary_table", "_set_pg_timeout",
     "_get_default_store", "pipelining.schedules", "_PipelineScheduleRuntime", "_add_send_recv",
     "_add_unshard_reshard", "_ComputationType", "_num_stages", "_n_microbatches", "_setup_forward_recv_info",
-    "_setup_backward_recv_info", "_stage_forward_initialized", "_stage_backward_initialized", "_has_backward", "_rebuild_tensor_v2", "_get_storage_alignment",
+    "_setup_backward_recv_info", "_stage_forward_initialized", "_stage_backward_initialized", "_has_backward",
+    "_rebuild_tensor_v2", "_get_storage_alignment",
     "_dtype_to_storage_type_map", "checkpoint._traverse", "_get_layout", "tensor._utils",
     "_compute_local_shape_and_global_offset", "_untyped_storage", "_pickle_storage_type",
     # The private kernels, as calls (an error message may still name torch._scaled_mm to the user).

@@ -239,15 +239,14 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
     serves)`` decides them. Returns the measured steps (``{(rank, grown kind or None,
     micro-batch cut or None): step}``), the stages' signatures and ``{stage: stage whose runs it is drawn from}``."""
     shared: dict[int, int] = {}
-    signatures: list = []
 
     def run_key(rank: int, grown: int | None = None) -> _RunKey:
         return rank, grown, cuts[dims.coords(rank).pp]  # one run measures a step per micro-batch cut
 
     def middle_stages(stage_zero: RankStep) -> list[int]:
         """The middle stages' first ranks that need runs of their own, ``cuts`` set for them."""
-        signatures.append(stage_zero.stage_signatures)
-        shared.update(shared_stages(signatures[0], dims.pp, cuts.get) if signatures[0] else {})
+        if stage_zero.stage_signatures:
+            shared.update(shared_stages(stage_zero.stage_signatures, dims.pp, cuts.get))
         served = Counter(shared.values())
         for stage in range(1, dims.pp - 1):
             if stage not in shared:
@@ -271,11 +270,9 @@ def _run_stages(order: list[int], dims: ParallelDims, run, jobs: int, fast: bool
     # Every run starts as soon as a worker is free and what it needs is known: the middle stages'
     # once stage 0's has run, the runs with two blocks once the stage's run with one has.
     done = run_ranks([run_key(rank) for rank in ends], run, jobs, {}, then if fast else None)
-    if not fast:
-        signatures.append(done[run_key(order[0])][0].stage_signatures)
     runs = {(rank, grown, cut): step for (rank, grown, measured), steps in done.items()
             for cut, step in zip(measured or (None,), steps, strict=True)}
-    return runs, signatures[0], shared
+    return runs, done[run_key(order[0])][0].stage_signatures, shared
 
 
 def _whole_stage(stage: int, base: _Run, grown: dict[int, _Run]) -> StagePlan:
